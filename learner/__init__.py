@@ -1,0 +1,1 @@
+"""Learner: FSDP2 trainer, trajectory buffer, weight sender, checkpoints."""

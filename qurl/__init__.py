@@ -1,0 +1,1 @@
+"""qurl: asynchronous RL with quantized rollout."""

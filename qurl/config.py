@@ -1,0 +1,395 @@
+"""Structured config (design.md §7): one schema, YAML files, `key=value` overrides, strict checks."""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased as one line naming the key and what is allowed."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "qurl"
+    dir: str = ""  # empty: runs/<name>
+    resume: bool = False
+    max_restarts: int = 3
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # a Hugging Face folder (config.json + safetensors + tokenizer)
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)
+    max_prompt_len: int = 1024
+    instruction: str = ""  # appended to the last user message, e.g. the \boxed{} instruction
+    shuffle: bool = True
+
+
+@dataclass
+class RewardConfig:
+    name: str = "math"  # math | arith | package.module:function
+    timeout_s: float = 10.0
+    workers: int = 2
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 1024
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "torch"  # torch | sglang
+    quant: str = "int8"  # none | int8 | fp8
+    dtype: str = "float32"  # float32 | bfloat16 for the full-precision parts
+    device: str = "cpu"
+    max_batch: int = 64
+    max_seq_len: int = 2048
+    n_samples: int = 8
+    tp_size: int = 1
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class OverlongConfig:
+    enable: bool = False
+    buffer: int = 0  # tokens before max_new_tokens where the linear penalty starts
+    factor: float = 1.0
+
+
+@dataclass
+class AlgoConfig:
+    loss: str = "acr"  # ppo | decoupled | tis | acr
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    tis_cap: float = 2.0
+    dual_clip: Optional[float] = None
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    advantage: str = "grpo"  # grpo | drgrpo | rloo
+    loss_agg: str = "token-mean"
+    dynamic_sampling: bool = False
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+
+@dataclass
+class InvariantScalingConfig:
+    s: float = 1.0  # 1.0 disables it; the paper uses 1.5
+    targets: list[str] = field(default_factory=lambda: ["qkv"])
+
+
+@dataclass
+class QuantConfig:
+    invariant_scaling: InvariantScalingConfig = field(default_factory=InvariantScalingConfig)
+    fp8_granularity: str = "block"  # block (128x128, SGLang's layout) | channel
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    batch_prompts: int = 32
+    mini_batches: int = 1
+    steps: int = 100
+    grad_clip: float = 1.0
+    precision: str = "fp32"  # fp32 | bf16 (FSDP2 mixed precision, fp32 master weights)
+
+
+@dataclass
+class AsyncConfig:
+    max_staleness: int = 1
+
+
+@dataclass
+class TransportConfig:
+    trajectories: str = "auto"  # auto: a free loopback port per run
+    weights: str = "auto"
+    control: str = "auto"
+    secret: str = ""  # HMAC-SHA256 key; required when an endpoint is not loopback
+
+
+@dataclass
+class ClusterConfig:
+    learner_ranks: int = 1
+    learner_gpus: list[int] = field(default_factory=list)  # empty: CPU
+    rollout_gpus: list[int] = field(default_factory=list)
+    rollout_servers: int = 1
+
+
+@dataclass
+class SyncConfig:
+    full_every: int = 10  # a full weight push every N versions, deltas between
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # learner steps between evaluations; 0: only at start and end
+    n_samples: int = 1  # avg@k on eval files; 1 with temperature 0 is greedy accuracy
+    temperature: float = 0.0
+    max_problems: int = 512
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # learner steps between checkpoints; 0: only at exit
+    keep: int = 2
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    wandb_project: str = ""
+    interval_s: float = 10.0
+    level: str = "info"
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)  # `async` in YAML and overrides
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# `async` is a Python keyword, so the schema field is `async_`; users only ever see `async`.
+_KEYWORD_RENAMES = {"async": "async_"}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "rollout.engine": ("torch", "sglang"),
+    "rollout.quant": ("none", "int8", "fp8"),
+    "rollout.dtype": ("float32", "bfloat16"),
+    "algo.loss": ("ppo", "decoupled", "tis", "acr"),
+    "algo.kl_kind": ("k1", "k2", "k3"),
+    "algo.advantage": ("grpo", "drgrpo", "rloo"),
+    "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "quant.fp8_granularity": ("block", "channel"),
+    "train.lr_schedule": ("constant", "cosine"),
+    "train.precision": ("fp32", "bf16"),
+    "log.level": ("debug", "info", "warning"),
+}
+
+# key -> (lower bound, whether the bound itself is allowed, upper bound or None)
+BOUNDS: dict[str, tuple[float, bool, Optional[float]]] = {
+    "run.max_restarts": (0, True, None),
+    "data.max_prompt_len": (1, True, None),
+    "reward.timeout_s": (0, False, None),
+    "reward.workers": (1, True, None),
+    "rollout.max_batch": (1, True, None),
+    "rollout.max_seq_len": (2, True, None),
+    "rollout.n_samples": (1, True, None),
+    "rollout.tp_size": (1, True, None),
+    "rollout.sampling.temperature": (0, True, None),
+    "rollout.sampling.top_p": (0, False, 1.0),
+    "rollout.sampling.max_new_tokens": (1, True, None),
+    "algo.eps_low": (0, True, 1.0),
+    "algo.eps_high": (0, True, None),
+    "algo.tis_cap": (1, True, None),
+    "algo.kl_coef": (0, True, None),
+    "algo.overlong.buffer": (0, True, None),
+    "algo.overlong.factor": (0, True, None),
+    "quant.invariant_scaling.s": (0, False, None),
+    "train.lr": (0, False, None),
+    "train.weight_decay": (0, True, None),
+    "train.warmup_steps": (0, True, None),
+    "train.batch_prompts": (1, True, None),
+    "train.mini_batches": (1, True, None),
+    "train.steps": (1, True, None),
+    "train.grad_clip": (0, False, None),
+    "async.max_staleness": (0, True, None),
+    "cluster.learner_ranks": (1, True, None),
+    "cluster.rollout_servers": (1, True, None),
+    "sync.full_every": (1, True, None),
+    "eval.every": (0, True, None),
+    "eval.n_samples": (1, True, None),
+    "eval.temperature": (0, True, None),
+    "eval.max_problems": (1, True, None),
+    "checkpoint.every": (0, True, None),
+    "checkpoint.keep": (1, True, None),
+    "log.interval_s": (0, False, None),
+}
+
+_ENDPOINT = re.compile(r"^(tcp://(?P<host>[^:/]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})|ipc://.+|auto)$")
+
+
+def _to_schema_key(dotted: str) -> str:
+    head, _, rest = dotted.partition(".")
+    head = _KEYWORD_RENAMES.get(head, head)
+    return f"{head}.{rest}" if rest else head
+
+
+def _to_user_key(dotted: str) -> str:
+    head, _, rest = dotted.partition(".")
+    for user, schema in _KEYWORD_RENAMES.items():
+        if head == schema:
+            head = user
+    return f"{head}.{rest}" if rest else head
+
+
+def _rename_top(tree: Any, renames: dict[str, str]) -> Any:
+    if isinstance(tree, dict):
+        return {renames.get(k, k): v for k, v in tree.items()}
+    return tree
+
+
+def get(cfg: DictConfig, key: str) -> Any:
+    """Read a user-facing dotted key (`async.max_staleness`) from a loaded config."""
+    return OmegaConf.select(cfg, _to_schema_key(key), throw_on_missing=True)
+
+
+def _omegaconf_error(exc: OmegaConfBaseException, source: str) -> ConfigError:
+    key = _to_user_key(str(getattr(exc, "full_key", "") or "?"))
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, ConfigKeyError):
+        return ConfigError(f"{source}: unknown key '{key}'")
+    return ConfigError(f"{source}: bad value for '{key}': {text}")
+
+
+def load_config(path: Optional[str] = None, overrides: list[str] = (), check_paths: bool = True) -> DictConfig:
+    """Merge schema defaults, a YAML file and overrides, then validate; raise ConfigError on any problem."""
+    cfg = OmegaConf.structured(Config)
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config: no such file '{path}'")
+        try:
+            raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        except Exception as exc:  # yaml errors are not OmegaConf errors
+            raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of config groups")
+        try:
+            cfg = OmegaConf.merge(cfg, _rename_top(raw, _KEYWORD_RENAMES))
+        except OmegaConfBaseException as exc:
+            raise _omegaconf_error(exc, path) from None
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"override '{item}': expected key=value, e.g. rollout.quant=none")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{_to_schema_key(key)}={value}"]))
+        except OmegaConfBaseException as exc:
+            raise _omegaconf_error(exc, f"override '{item}'") from None
+    validate(cfg, check_paths=check_paths)
+    return cfg
+
+
+def validate(cfg: DictConfig, check_paths: bool = True) -> None:
+    """Check choices, bounds and cross-field rules; raise ConfigError naming the first bad key."""
+    for key, allowed in CHOICES.items():
+        value = get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+    for key, (low, inclusive, high) in BOUNDS.items():
+        value = get(cfg, key)
+        too_low = value < low if inclusive else value <= low
+        too_high = high is not None and value > high
+        if too_low or too_high:
+            rng = f"{'>=' if inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+            raise ConfigError(f"{key}={value!r} is out of range; it must be {rng}")
+    if get(cfg, "rollout.sampling.top_k") != -1 and get(cfg, "rollout.sampling.top_k") < 1:
+        raise ConfigError("rollout.sampling.top_k must be -1 (off) or >= 1")
+    dual = get(cfg, "algo.dual_clip")
+    if dual is not None and dual <= 1:
+        raise ConfigError(f"algo.dual_clip={dual!r} is out of range; it must be > 1 or null")
+    if get(cfg, "rollout.n_samples") < 2:
+        raise ConfigError(
+            f"rollout.n_samples=1 does not work with algo.advantage={get(cfg, 'algo.advantage')} "
+            "(group-based); it must be >= 2")
+    if get(cfg, "train.mini_batches") > get(cfg, "train.batch_prompts"):
+        raise ConfigError("train.mini_batches must be <= train.batch_prompts")
+    targets = list(get(cfg, "quant.invariant_scaling.targets"))
+    if not targets or any(t not in ("qkv", "mlp") for t in targets):
+        raise ConfigError(f"quant.invariant_scaling.targets={targets} is not allowed; use [qkv] or [qkv, mlp]")
+    name = get(cfg, "reward.name")
+    if name not in ("math", "arith") and not re.fullmatch(r"[\w.]+:\w+", name):
+        raise ConfigError(f"reward.name={name!r} is not allowed; use math, arith or package.module:function")
+    _validate_transport(cfg)
+    if check_paths:
+        _validate_paths(cfg)
+
+
+def _validate_transport(cfg: DictConfig) -> None:
+    secret = get(cfg, "transport.secret")
+    for name in ("trajectories", "weights", "control"):
+        endpoint = get(cfg, f"transport.{name}")
+        match = _ENDPOINT.match(endpoint)
+        if not match:
+            raise ConfigError(
+                f"transport.{name}={endpoint!r} is not an endpoint; use auto, tcp://HOST:PORT or ipc://PATH")
+        host = match.group("host")
+        if host and not _is_loopback(host) and not secret:
+            raise ConfigError(f"transport.{name}={endpoint!r} is not loopback; set transport.secret to bind it")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _validate_paths(cfg: DictConfig) -> None:
+    model = get(cfg, "model.path")
+    if not model:
+        raise ConfigError("model.path is not set; give a Hugging Face model folder")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ConfigError(f"model.path={model!r} is not a model folder (no config.json there)")
+    files = list(get(cfg, "data.train_files"))
+    if not files:
+        raise ConfigError("data.train_files is empty; give at least one JSONL or Parquet file")
+    for key in ("data.train_files", "data.eval_files"):
+        for f in get(cfg, key):
+            if not os.path.isfile(f):
+                raise ConfigError(f"{key}: no such file {f!r}")
+
+
+def run_dir(cfg: DictConfig) -> str:
+    """The run's output folder: run.dir, or runs/<run.name>."""
+    return get(cfg, "run.dir") or os.path.join("runs", get(cfg, "run.name"))
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The resolved config as users write it (with `async`, not `async_`)."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    inverse = {v: k for k, v in _KEYWORD_RENAMES.items()}
+    return OmegaConf.to_yaml(_rename_top(container, inverse))
+
+
+def as_plain(value: Any) -> Any:
+    """Turn a DictConfig/ListConfig subtree into plain Python containers."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value

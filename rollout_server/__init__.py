@@ -1,0 +1,1 @@
+"""Rollout server: engines, generation loop, admission control, weight receiver."""

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create .venv and install qurl (with the extras given as $1, e.g. "test"); idempotent and fast on re-runs.
+# On a machine without CUDA, torch is pinned to a CPU build first: a bare `torch` pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+venv="${QURL_VENV:-.venv}"
+python="${PYTHON:-python3}"
+torch_spec="${QURL_TORCH:-torch==2.13.0}"
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+stamp="$venv/.qurl-$(cat pyproject.toml | sha256sum | cut -c1-16)-${extras:-base}"
+[ -f "$stamp" ] && exit 0
+
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: CUDA found; installing the default (CUDA) torch"
+    "${pip[@]}" torch
+  else
+    echo "setup: no CUDA; installing CPU $torch_spec"
+    "${pip[@]}" "$torch_spec"
+  fi
+fi
+echo "setup: installing qurl${extras:+[$extras]} into $venv"
+"${pip[@]}" -e ".${extras:+[$extras]}"
+touch "$stamp"

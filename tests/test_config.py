@@ -1,0 +1,110 @@
+"""Config schema: recipes load, bad values stop with exit 2 and one line naming the key."""
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from qurl.config import ConfigError, get, load_config, to_yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = [os.path.join(ROOT, "configs", f) for f in sorted(os.listdir(os.path.join(ROOT, "configs")))]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    prog, *rest = args
+    script = os.path.join(os.path.dirname(sys.executable), prog)  # the installed console script
+    return subprocess.run([script, *rest], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path, check_paths=False)
+    assert get(cfg, "algo.loss") in ("ppo", "decoupled", "tis", "acr")
+
+
+def test_recipes_match_the_paper_settings():
+    ds = load_config(os.path.join(ROOT, "configs/deepscaler-1.5b-int8.yaml"), check_paths=False)
+    assert (get(ds, "rollout.quant"), get(ds, "algo.loss"), get(ds, "algo.kl_coef")) == ("int8", "acr", 1e-3)
+    assert get(ds, "quant.invariant_scaling.s") == 1.5
+    assert (len(ds.cluster.rollout_gpus), len(ds.cluster.learner_gpus)) == (4, 4)
+    dapo = load_config(os.path.join(ROOT, "configs/dapo-7b-fp8.yaml"), check_paths=False)
+    assert (get(dapo, "algo.eps_low"), get(dapo, "algo.eps_high")) == (0.2, 0.28)
+    assert get(dapo, "algo.dynamic_sampling") and get(dapo, "algo.overlong.enable")
+    assert (get(dapo, "rollout.quant"), get(dapo, "quant.fp8_granularity"), get(dapo, "algo.kl_coef")) == (
+        "fp8", "block", 0.0)
+
+
+def test_overrides_apply_and_async_is_spelled_async():
+    cfg = load_config(None, ["async.max_staleness=0", "rollout.quant=none", "train.lr=3e-4"], check_paths=False)
+    assert get(cfg, "async.max_staleness") == 0 and get(cfg, "rollout.quant") == "none"
+    assert get(cfg, "train.lr") == pytest.approx(3e-4)
+    text = to_yaml(cfg)
+    assert "\nasync:\n  max_staleness: 0\n" in text and "async_" not in text
+    assert load_config(None, [], check_paths=False) is not None
+    reloaded = yaml.safe_load(text)
+    assert reloaded["async"] == {"max_staleness": 0}
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.quant=int4", "rollout.quant"),
+    ("algo.eps_low=-0.1", "algo.eps_low"),
+    ("algo.eps_high=-1", "algo.eps_high"),
+    ("async.max_staleness=-1", "async.max_staleness"),
+    ("rollout.n_samples=1", "rollout.n_samples"),
+    ("algo.loss=grpo", "algo.loss"),
+    ("train.lr=abc", "train.lr"),
+    ("rollout.bogus=3", "rollout.bogus"),
+    ("bogus.key=3", "bogus"),
+    ("quant.invariant_scaling.s=0", "quant.invariant_scaling.s"),
+    ("quant.invariant_scaling.targets=[qkv,attn]", "quant.invariant_scaling.targets"),
+    ("transport.weights=tcp://0.0.0.0:5000", "transport.weights"),
+    ("transport.control=http://x", "transport.control"),
+    ("reward.name=os.system", "reward.name"),
+    ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
+    ("train.mini_batches=64", "train.mini_batches"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(os.path.join(ROOT, "configs/demo-cpu.yaml"), [override], check_paths=False)
+    message = str(err.value)
+    assert key in message and "\n" not in message
+
+
+def test_non_loopback_is_allowed_with_a_secret():
+    cfg = load_config(None, ["transport.weights=tcp://10.0.0.5:5000", "transport.secret=s3cret"], check_paths=False)
+    assert get(cfg, "transport.weights").startswith("tcp://10.")
+
+
+def test_missing_model_folder_and_data_files(tmp_path):
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config(None, [f"model.path={tmp_path / 'nope'}"])
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="data.train_files"):
+        load_config(None, [f"model.path={tmp_path}", f"data.train_files=[{tmp_path / 'missing.jsonl'}]"])
+
+
+def test_bad_yaml_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad), check_paths=False)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("rollout:\n  quantization: int8\n")
+    with pytest.raises(ConfigError, match="rollout.quantization"):
+        load_config(str(unknown), check_paths=False)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(str(tmp_path / "none.yaml"))
+
+
+@pytest.mark.parametrize("prog", ["qurl-async", "qurl-learner", "qurl-rollout-server"])
+def test_cli_print_config_and_exit_codes(prog):
+    ok = run_cli(prog, "--config", "configs/demo-cpu.yaml", "--print-config", "async.max_staleness=1")
+    assert ok.returncode == 0, ok.stderr
+    assert yaml.safe_load(ok.stdout)["async"]["max_staleness"] == 1
+    bad = run_cli(prog, "--config", "configs/demo-cpu.yaml", "--print-config", "rollout.quant=int4")
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rollout.quant" in lines[0] and "none, int8, fp8" in lines[0]
