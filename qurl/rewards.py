@@ -1,0 +1,340 @@
+"""Verifiable rewards, scored in worker processes with a hard per-item timeout.
+
+Built-in reward functions, chosen by name (config `reward.name`):
+- ``math``: math-verify on the last ``\\boxed{...}`` of the response against the gold answer.
+- ``arith``: exact integer match of the response's last line (or its last ``\\boxed{N}``).
+- ``package.module:function``: any ``function(response: str, answer: str) -> float``. It is
+  imported and run inside the worker processes, never in the caller, so it may hang, crash or
+  call ``signal.alarm``; the module must be importable from the caller's ``sys.path``.
+
+math-verify's own timeouts (``signal.alarm``, whole seconds, and a timeout silently becomes a
+wrong answer) are switched off: each worker runs one item at a time, and the pool kills a worker
+whose item overruns ``timeout_s`` and starts a fresh one, so every timeout is counted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import numbers
+import os
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+BUILTIN = ("math", "arith")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_INT = re.compile(r"[+-]?\d+")
+
+
+class RewardError(RuntimeError):
+    """A reward pool that cannot start: bad reward name, or a function that cannot be imported."""
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    reward: float
+    status: str  # ok | timeout | error | nan
+    detail: str = ""
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``); None when the last one is unclosed."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    i = start = starts[-1]
+    depth = 1
+    while i < len(text):
+        c = text[i]
+        if c == "\\":  # \{ and \} are literal braces, not grouping
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+        i += 1
+    return None
+
+
+def math_reward(response: str, answer: str) -> float:
+    """1.0 when the last boxed answer of the response is mathematically equal to the gold answer."""
+    pred = last_boxed(response)
+    if pred is None:
+        return 0.0
+    from math_verify import parse, verify
+
+    gold = answer.strip()
+    gold = last_boxed(gold) or gold.strip("$")  # gold answers sometimes come boxed or in $...$
+    g = parse("\\boxed{" + gold + "}", parsing_timeout=None)
+    p = parse("\\boxed{" + pred + "}", parsing_timeout=None)
+    if not g or not p:
+        return 0.0
+    return 1.0 if verify(g, p, timeout_seconds=None) else 0.0
+
+
+def _as_int(text: str) -> int | None:
+    text = text.strip()
+    return int(text) if _INT.fullmatch(text) else None
+
+
+def arith_reward(response: str, answer: str) -> float:
+    """1.0 when the response's last non-empty line, or else its last boxed value, is the gold integer."""
+    gold = _as_int(answer)
+    if gold is None:
+        raise ValueError(f"arith reward needs an integer gold answer, got {answer[:40]!r}")
+    lines = response.strip().splitlines()
+    got = _as_int(lines[-1]) if lines else None
+    if got is None:
+        boxed = last_boxed(response)
+        got = _as_int(boxed) if boxed is not None else None
+    return 1.0 if got == gold else 0.0
+
+
+def resolve_reward_fn(name: str) -> Callable[[str, str], float]:
+    """The reward function a name refers to; imports ``module:function`` names."""
+    if name == "math":
+        return math_reward
+    if name == "arith":
+        return arith_reward
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        raise RewardError(f"reward.name: unknown reward {name!r}; allowed: math, arith or package.module:function")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise RewardError(f"reward.name: cannot import {name!r}: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise RewardError(f"reward.name: {name!r} is not callable")
+    return fn
+
+
+def _send(conn: mpc.Connection, obj: object) -> None:
+    conn.send_bytes(json.dumps(obj).encode())  # JSON, not pickle, between parent and worker
+
+
+def _exit_with_owner(lifeline: mpc.Connection) -> None:
+    """Leave when the pool's owner dies, even while the main thread is stuck in a verifier."""
+    # Only the owner holds the write end, and never writes: readable means EOF means it is gone.
+    # (The parent pid does not tell: under forkserver it is the fork server, which outlives the owner
+    # as long as any worker lives, because each worker inherits the server's liveness pipe.)
+    lifeline.poll(None)
+    os._exit(0)
+
+
+def _worker_main(conn: mpc.Connection, lifeline: mpc.Connection, name: str) -> None:
+    threading.Thread(target=_exit_with_owner, args=(lifeline,), daemon=True).start()
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" warning is intended
+    try:
+        fn = resolve_reward_fn(name)
+        if name == "math":  # the first check in a process takes ~0.2 s (parser warm-up): not on an item's clock
+            math_reward("\\boxed{\\frac{1}{2}}", "0.5")
+    except BaseException as e:  # noqa: BLE001  (report any import failure to the parent)
+        _send(conn, ["fatal", f"{type(e).__name__}: {e}"])
+        return
+    _send(conn, ["ready"])
+    while True:
+        try:
+            job, response, answer = json.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        try:
+            value = fn(response, answer)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                msg = ["error", job, f"reward function returned {type(value).__name__}, expected a number"]
+            else:
+                msg = ["ok", job, float(value)]
+        except Exception as e:  # noqa: BLE001  (any verifier failure is reward 0, counted)
+            msg = ["error", job, f"{type(e).__name__}: {e}"[:300]]
+        _send(conn, msg)
+
+
+class _Worker:
+    def __init__(self, ctx: mp.context.BaseContext, name: str) -> None:
+        self.conn, child = ctx.Pipe(duplex=True)
+        lifeline, self._lifeline = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_worker_main, args=(child, lifeline, name), daemon=True, name="qurl-reward")
+        self.proc.start()
+        child.close()
+        lifeline.close()
+        self.ready = False
+        self.job: int | None = None  # index of the item in flight
+        self.deadline = 0.0
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5.0)
+        self.conn.close()
+        self._lifeline.close()
+
+
+class RewardPool:
+    """Scores (response, answer) pairs in worker processes; a hang or crash costs one item, never the caller.
+
+    Each worker runs one item at a time. An item that overruns ``timeout_s`` gets reward 0 with
+    status ``timeout`` and its worker is killed and replaced; a worker that dies gives status
+    ``error``. Not thread-safe: call ``score`` from one thread.
+    """
+
+    def __init__(
+        self,
+        name: str = "math",
+        workers: int = 2,
+        timeout_s: float = 10.0,
+        end_texts: Sequence[str] = (),
+        start_method: str = "forkserver",
+        startup_timeout_s: float = 120.0,
+    ) -> None:
+        if workers < 1:
+            raise RewardError(f"reward.workers: must be >= 1, got {workers}")
+        if not timeout_s > 0:
+            raise RewardError(f"reward.timeout_s: must be > 0, got {timeout_s}")
+        if name not in BUILTIN:
+            resolve_reward_fn(name)  # fail here, in one line, rather than in every worker
+        self.name, self.timeout_s, self.end_texts = name, float(timeout_s), tuple(end_texts)
+        self.startup_timeout_s = startup_timeout_s
+        self._ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            # Workers fork from a server that has these imported (math_verify takes ~1 s), so a
+            # replacement is ready quickly. The fork server is shared: the first pool sets this.
+            self._ctx.set_forkserver_preload(["qurl.rewards"] + (["math_verify"] if name != "arith" else []))
+        self.counters = {"reward/scored": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/nan": 0,
+                         "reward/worker_restarts": 0}
+        self._workers = [_Worker(self._ctx, name) for _ in range(workers)]
+        self._wait_ready()
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every worker."""
+        for w in self._workers:
+            w.kill()
+        self._workers = []
+
+    def metrics(self) -> dict[str, int]:
+        """Counters since start, for the metrics log."""
+        return dict(self.counters)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not all(w.ready for w in self._workers):
+            if time.monotonic() > deadline:
+                self.close()
+                raise RewardError(f"reward workers for {self.name!r} not ready after {self.startup_timeout_s:g} s")
+            self._poll(deadline - time.monotonic(), results=[])
+
+    def _strip(self, response: str) -> str:
+        changed = True
+        while changed:
+            changed = False
+            response = response.rstrip()
+            for t in self.end_texts:
+                if t and response.endswith(t):
+                    response, changed = response[: -len(t)], True
+        return response
+
+    def score(self, items: Iterable[tuple[str, str]]) -> list[RewardResult]:
+        """One RewardResult per (response, answer), in order; at worst ~ceil(n / workers) * timeout_s."""
+        if not self._workers:
+            raise RewardError("reward pool is closed")
+        items = [(self._strip(r), str(a)) for r, a in items]
+        results: list[RewardResult | None] = [None] * len(items)
+        pending = deque(range(len(items)))
+        while pending or any(w.job is not None for w in self._workers):
+            for i, w in enumerate(self._workers):
+                if pending and w.ready and w.job is None:
+                    job = pending.popleft()
+                    try:
+                        _send(w.conn, [job, *items[job]])
+                    except OSError:  # died while idle: the item goes to another worker
+                        pending.appendleft(job)
+                        self._replace(i)
+                        continue
+                    w.job, w.deadline = job, time.monotonic() + self.timeout_s
+            busy = [w.deadline for w in self._workers if w.job is not None]
+            wait_s = min(busy) - time.monotonic() if busy else self.startup_timeout_s
+            if not self._poll(wait_s, results) and not busy:
+                self.close()
+                raise RewardError(f"reward workers for {self.name!r} not ready after {self.startup_timeout_s:g} s")
+            now = time.monotonic()
+            for i, w in enumerate(self._workers):
+                if w.job is not None and now >= w.deadline:
+                    results[w.job] = RewardResult(0.0, "timeout", f"no result within {self.timeout_s:g} s")
+                    self.counters["reward/timeouts"] += 1
+                    log.warning("reward %r: item timed out after %g s; restarting its worker", self.name, self.timeout_s)
+                    self._replace(i)
+        self.counters["reward/scored"] += len(items)
+        return results  # type: ignore[return-value]
+
+    def _poll(self, wait_s: float, results: list[RewardResult | None]) -> int:
+        """Wait up to wait_s for worker messages or exits, handle them, and say how many came."""
+        by_handle: dict[object, _Worker] = {}
+        for w in self._workers:
+            by_handle[w.conn] = w
+            by_handle[w.proc.sentinel] = w
+        ready = mpc.wait(list(by_handle), timeout=max(wait_s, 0.0))
+        for h in ready:
+            w = by_handle[h]
+            if w not in self._workers:  # replaced while handling an earlier handle
+                continue
+            try:
+                while w.conn.poll():  # drain first: a worker may answer and then exit
+                    self._handle(w, json.loads(w.conn.recv_bytes()), results)
+            except (EOFError, OSError):
+                w.proc.join(5.0)
+            if not w.proc.is_alive():
+                self._died(w, results)
+        return len(ready)
+
+    def _handle(self, w: _Worker, msg: list, results: list[RewardResult | None]) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            w.ready = True
+        elif kind == "fatal":
+            self.close()
+            raise RewardError(f"reward.name: worker cannot load {self.name!r}: {msg[1]}")
+        elif msg[1] == w.job:
+            results[w.job] = self._result(kind, msg[2])
+            w.job = None
+
+    def _result(self, kind: str, value: float | str) -> RewardResult:
+        if kind == "error":
+            self.counters["reward/errors"] += 1
+            return RewardResult(0.0, "error", str(value))
+        if not math.isfinite(value):
+            self.counters["reward/nan"] += 1
+            return RewardResult(0.0, "nan", f"reward function returned {value}")
+        return RewardResult(value, "ok")
+
+    def _died(self, w: _Worker, results: list[RewardResult | None]) -> None:
+        code = w.proc.exitcode
+        if w.job is not None:
+            results[w.job] = RewardResult(0.0, "error", f"reward worker died with exit code {code}")
+            self.counters["reward/errors"] += 1
+            log.warning("reward %r: worker died with exit code %s; restarting it", self.name, code)
+        elif not w.ready:
+            self.close()
+            raise RewardError(f"reward.name: worker for {self.name!r} died at start with exit code {code}")
+        self._replace(self._workers.index(w))
+
+    def _replace(self, i: int) -> None:
+        self._workers[i].kill()
+        self._workers[i] = _Worker(self._ctx, self.name)
+        self.counters["reward/worker_restarts"] += 1

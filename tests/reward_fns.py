@@ -1,0 +1,33 @@
+"""Misbehaving reward functions for tests; imported by name ("reward_fns:chaos") inside reward workers."""
+
+import os
+import time
+
+from qurl.rewards import math_reward
+
+
+def chaos(response: str, answer: str) -> float:
+    """Misbehave as the response says (HANG, SPIN, CRASH, RAISE, NAN, INF, STR, ALARM ...); else the math reward."""
+    if response == "HANG":
+        time.sleep(3600)
+    if response == "SPIN":
+        while True:
+            pass
+    if response == "CRASH":
+        os._exit(3)
+    if response == "RAISE":
+        raise ValueError("verifier exploded")
+    if response == "NAN":
+        return float("nan")
+    if response == "INF":
+        return float("inf")
+    if response == "STR":
+        return "1.0"  # type: ignore[return-value]
+    if response.startswith("ALARM "):  # math_verify with its default signal.alarm timeouts
+        from math_verify import parse, verify
+
+        return float(verify(parse("$" + answer + "$"), parse(response[len("ALARM "):])))
+    return math_reward(response, answer)
+
+
+not_callable = 42
