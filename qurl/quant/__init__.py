@@ -1,0 +1,172 @@
+"""Symmetric abs-max INT8 / FP8 quantization of the rollout actor's linear weights (SGLang naming)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+INT8_MAX = 127.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCHEMES = ("none", "int8", "fp8-channel", "fp8-block")
+FP8_GRANULARITIES = ("tensor", "channel", "block")
+
+_LINEAR = re.compile(r"(^|\.)(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+def _scale_from_amax(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """amax / qmax, with 1.0 where that is 0 so all-zero slices give zero codes instead of NaN."""
+    scale = amax / qmax
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def quantize_int8(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slice symmetric int8 along `dim` (per output channel for a weight, per token for activations)."""
+    x = x.float()
+    scale = _scale_from_amax(x.abs().amax(dim=dim, keepdim=True), INT8_MAX)
+    codes = (x / scale).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values that int8 codes stand for."""
+    return codes.float() * scale
+
+
+def _fp8_cast(x: torch.Tensor) -> torch.Tensor:
+    # clamp first: out-of-range fp32 -> e4m3fn is NaN on some backends (no inf in e4m3fn)
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _check_block_input(x: torch.Tensor, block: int) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"fp8 block quantization needs a 2-D weight, got shape {tuple(x.shape)}")
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+
+
+def quantize_fp8(
+    x: torch.Tensor, granularity: str = "channel", block: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn codes and the fp32 dequantizing multiplier (scale [], [N,1] or [ceil(N/b), ceil(K/b)])."""
+    x = x.float()
+    if granularity == "tensor":
+        scale = _scale_from_amax(x.abs().amax(), FP8_MAX)
+        return _fp8_cast(x / scale), scale
+    if granularity == "channel":
+        scale = _scale_from_amax(x.abs().amax(dim=-1, keepdim=True), FP8_MAX)
+        return _fp8_cast(x / scale), scale
+    if granularity == "block":
+        _check_block_input(x, block)
+        n, k = x.shape
+        nb, kb = math.ceil(n / block), math.ceil(k / block)
+        padded = torch.nn.functional.pad(x, (0, kb * block - k, 0, nb * block - n))
+        amax = padded.abs().view(nb, block, kb, block).amax(dim=(1, 3))
+        scale = _scale_from_amax(amax, FP8_MAX)
+        return _fp8_cast(x / _expand_blocks(scale, n, k, block)), scale
+    raise ValueError(f"fp8 granularity must be one of {FP8_GRANULARITIES}, got {granularity!r}")
+
+
+def _expand_blocks(scale: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """Per-element view of block scales, cropped to [n, k]."""
+    return scale.repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)[:n, :k]
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """fp32 values of fp8 codes; the granularity is read from the scale's shape."""
+    values = codes.float()
+    if scale.dim() <= 1 and scale.numel() == 1:
+        return values * scale
+    if scale.dim() == codes.dim() and scale.shape[:-1] == codes.shape[:-1] and scale.shape[-1] == 1:
+        return values * scale
+    _check_block_input(codes, block)
+    n, k = codes.shape
+    expected = (math.ceil(n / block), math.ceil(k / block))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"fp8 scale shape {tuple(scale.shape)} fits neither per-tensor, per-channel "
+            f"{(n, 1)} nor block-{block} {expected} for codes {(n, k)}"
+        )
+    return values * _expand_blocks(scale, n, k, block)
+
+
+def is_quantized_linear(name: str) -> bool:
+    """True for the attention and MLP projection weights that the rollout engine holds quantized."""
+    return _LINEAR.search(name) is not None
+
+
+def scheme_for(quant: str, fp8_granularity: str = "block") -> str:
+    """Map the config pair (rollout.quant, quant.fp8_granularity) to a quantize_state_dict scheme."""
+    if quant in ("none", "int8"):
+        return quant
+    if quant == "fp8":
+        if fp8_granularity not in ("channel", "block"):
+            raise ValueError(f"quant.fp8_granularity must be 'channel' or 'block', got {fp8_granularity!r}")
+        return f"fp8-{fp8_granularity}"
+    raise ValueError(f"rollout.quant must be one of ('none', 'int8', 'fp8'), got {quant!r}")
+
+
+def _check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantization scheme must be one of {SCHEMES}, got {scheme!r}")
+
+
+def _quantizable(name: str, tensor: torch.Tensor) -> bool:
+    if not is_quantized_linear(name):
+        return False
+    if tensor.dim() != 2:
+        raise ValueError(f"{name}: a projection weight must be 2-D, got shape {tuple(tensor.shape)}")
+    return True
+
+
+def quantize_state_dict(state_dict: dict[str, torch.Tensor], scheme: str) -> dict[str, torch.Tensor]:
+    """The named tensors the rollout engine loads: codes + scales for projections, the rest as is."""
+    _check_scheme(scheme)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        if scheme == "none" or not _quantizable(name, tensor):
+            out[name] = tensor
+            continue
+        tensor = tensor.detach()
+        if scheme == "int8":
+            out[name], out[name + "_scale"] = quantize_int8(tensor, dim=-1)
+        elif scheme == "fp8-channel":
+            out[name], out[name + "_scale"] = quantize_fp8(tensor, "channel")
+        else:
+            out[name], out[name + "_scale_inv"] = quantize_fp8(tensor, "block")
+    return out
+
+
+def dequantize_state_dict(qsd: dict[str, torch.Tensor], scheme: str) -> dict[str, torch.Tensor]:
+    """Inverse of quantize_state_dict up to quantization error: fp32 projections, scales dropped."""
+    _check_scheme(scheme)
+    suffix = {"int8": "_scale", "fp8-channel": "_scale", "fp8-block": "_scale_inv"}.get(scheme)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in qsd.items():
+        if suffix is None:
+            out[name] = tensor
+        elif name.endswith(suffix) and is_quantized_linear(name[: -len(suffix)]):
+            continue
+        elif _quantizable(name, tensor):
+            if name + suffix not in qsd:
+                raise ValueError(f"{name}: missing {name + suffix} for scheme {scheme!r}")
+            deq = dequantize_int8 if scheme == "int8" else dequantize_fp8
+            out[name] = deq(tensor, qsd[name + suffix])
+        else:
+            out[name] = tensor
+    return out
+
+
+def changed_fraction(old_codes: torch.Tensor, new_codes: torch.Tensor) -> float:
+    """Share of quantized codes that differ between two pushes (the sync/changed_frac metric)."""
+    if old_codes.shape != new_codes.shape or old_codes.dtype != new_codes.dtype:
+        raise ValueError(
+            f"changed_fraction needs equal shape and dtype, got {tuple(old_codes.shape)} {old_codes.dtype}"
+            f" vs {tuple(new_codes.shape)} {new_codes.dtype}"
+        )
+    if old_codes.numel() == 0:
+        return 0.0
+    if old_codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        old_codes, new_codes = old_codes.view(torch.uint8), new_codes.view(torch.uint8)
+    return (old_codes != new_codes).sum().item() / old_codes.numel()
