@@ -1,0 +1,69 @@
+"""Rollout engines behind one interface: `load_engine` plus the request/result records."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+ENGINES = ("torch", "sglang")
+QUANTS = ("none", "int8", "fp8", "fp8-channel", "fp8-block")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class GenRequest:
+    """One prompt to sample `n` responses for; temperature 0 means greedy."""
+
+    prompt_ids: list[int]
+    n: int = 1
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Sample:
+    """One response: a stop token, when hit, is its last token; versions say which weights made each token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: Literal["stop", "length"]
+
+
+@dataclass
+class GenResult:
+    """The `n` samples of one request, in sample order."""
+
+    samples: list[Sample]
+
+
+def load_engine(
+    model_path: str,
+    engine: str = "torch",
+    quant: str = "int8",
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_batch: int = 64,
+    max_seq_len: int = 2048,
+):
+    """Build a rollout engine from a Hugging Face folder; the import stays lazy so this module is light."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; allowed: {', '.join(ENGINES)}")
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quant {quant!r}; allowed: {', '.join(QUANTS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    if engine == "sglang":  # GPU nodes; fails with one line (install the `sglang` extra) where sglang is absent
+        from rollout_server.engines.sglang_engine import SGLangEngine
+
+        return SGLangEngine.from_pretrained(
+            model_path, quant=quant, dtype=dtype, device=device, max_batch=max_batch, max_seq_len=max_seq_len
+        )
+    from rollout_server.engines.torch_engine import TorchEngine
+
+    return TorchEngine.from_pretrained(
+        model_path, quant=quant, dtype=dtype, device=device, max_batch=max_batch, max_seq_len=max_seq_len
+    )

@@ -1,0 +1,291 @@
+"""Compact Llama / Qwen2 / Qwen3 decoder built from a Hugging Face folder, with KV-cache prefill and decode."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from rollout_server.engines.linear import Linear, dense_linear
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the decoder needs, read from config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v (and for llama/qwen3 also o) projections carry a bias
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        """Parse `path`/config.json; unsupported architectures fail with one line."""
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"no config.json in {path}")
+        with open(cfg_path) as f:
+            c = json.load(f)
+        model_type = c.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported architecture {model_type!r} in {cfg_path}; supported: {', '.join(MODEL_TYPES)}")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {c['hidden_act']!r} in {cfg_path}; supported: silu")
+        if c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or []):
+            raise ValueError(f"sliding-window attention in {cfg_path} is not supported")
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type")) or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r} in {cfg_path}; supported: {', '.join(ROPE_TYPES)}")
+        heads = c["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            intermediate_size=c["intermediate_size"],
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the decoder reads from the checkpoint, with its shape."""
+        hidden, q, kv, inter = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        shapes = {"model.embed_tokens.weight": (self.vocab_size, hidden), "model.norm.weight": (hidden,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, hidden)
+        o_bias = self.attention_bias and self.model_type != "qwen2"
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+            projs = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+                     "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+                     "mlp.down_proj": (hidden, inter)}
+            for name, shape in projs.items():
+                shapes[p + name + ".weight"] = shape
+                attn = name.startswith("self_attn")
+                if (attn and self.attention_bias and (name != "self_attn.o_proj" or o_bias)) or (not attn and self.mlp_bias):
+                    shapes[p + name + ".bias"] = shape[:1]
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
+        return shapes
+
+
+def load_safetensors(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Read the tensors named in `shapes` from model.safetensors or the shards of model.safetensors.index.json."""
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        missing = [n for n in shapes if n not in weight_map]
+        if missing:
+            raise ValueError(f"missing tensor {missing[0]!r} in {index_path} ({len(missing)} missing)")
+        by_file: dict[str, list[str]] = {}
+        for n in shapes:
+            by_file.setdefault(weight_map[n], []).append(n)
+    elif os.path.isfile(single):
+        by_file = {"model.safetensors": list(shapes)}
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    out: dict[str, torch.Tensor] = {}
+    for fname, wanted in by_file.items():
+        fpath = os.path.join(path, fname)
+        if not os.path.isfile(fpath):
+            raise FileNotFoundError(f"shard {fpath} named in the index does not exist")
+        with safe_open(fpath, framework="pt") as f:
+            present = set(f.keys())
+            for n in wanted:
+                if n not in present:
+                    raise ValueError(f"missing tensor {n!r} in {fpath}")
+                out[n] = f.get_tensor(n)
+                if tuple(out[n].shape) != shapes[n]:
+                    raise ValueError(f"tensor {n!r} in {fpath} has shape {tuple(out[n].shape)}, config.json implies {shapes[n]}")
+    return out
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (fp32) for the default or llama3-scaled rotary embedding."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    if cfg.rope_scaling is None:
+        return inv_freq
+    s = cfg.rope_scaling
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def own(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A private copy: never keep a view of a memory-mapped checkpoint that a trainer may overwrite."""
+    return t.to(device=device, dtype=dtype, copy=True).contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and scaled in the model dtype, as the HF families do."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class Layer:
+    """One decoder block's tensors: norms, fused q/k/v, o, fused gate/up, down."""
+
+    def __init__(self, cfg: ModelConfig, i: int, tensors: dict, scheme: str, dtype, device) -> None:
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        self.input_norm = own(tensors[p + "input_layernorm.weight"], dtype, device)
+        self.post_norm = own(tensors[p + "post_attention_layernorm.weight"], dtype, device)
+        self.qkv = Linear([a + "q_proj", a + "k_proj", a + "v_proj"], tensors, scheme, dtype, device)
+        self.o = Linear([a + "o_proj"], tensors, scheme, dtype, device)
+        self.gate_up = Linear([m + "gate_proj", m + "up_proj"], tensors, scheme, dtype, device)
+        self.down = Linear([m + "down_proj"], tensors, scheme, dtype, device)
+        self.named = {p + "input_layernorm.weight": self.input_norm, p + "post_attention_layernorm.weight": self.post_norm}
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = own(tensors[a + "q_norm.weight"], dtype, device)
+            self.k_norm = own(tensors[a + "k_norm.weight"], dtype, device)
+            self.named.update({a + "q_norm.weight": self.q_norm, a + "k_norm.weight": self.k_norm})
+        for lin in (self.qkv, self.o, self.gate_up, self.down):
+            self.named.update(lin.named)
+
+
+class Transformer:
+    """The decoder over a KV cache shaped [layers, slots, kv_heads, max_seq_len, head_dim]."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        scheme: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_seq_len: int,
+    ) -> None:
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.embed = own(tensors["model.embed_tokens.weight"], dtype, device)
+        self.norm = own(tensors["model.norm.weight"], dtype, device)
+        self.named: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = own(tensors["lm_head.weight"], dtype, device)
+            self.named["lm_head.weight"] = self.lm_head
+        self.layers = [Layer(cfg, i, tensors, scheme, dtype, device) for i in range(cfg.num_layers)]
+        for layer in self.layers:
+            self.named.update(layer.named)
+        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_inv_freq(cfg))
+        half = cfg.head_dim // 2
+        self.cos = torch.cat([freqs, freqs], -1).cos().to(device=device, dtype=dtype)
+        sin = freqs.sin()
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: one roll instead of split/neg/cat
+        self.sin_signed = torch.cat([-sin, sin], -1).to(device=device, dtype=dtype)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.half = half
+        self.scale = cfg.head_dim**-0.5
+
+    def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Normed input [M, H] -> rotated q [M, heads, hd], k and v [M, kv_heads, hd]."""
+        cfg = self.cfg
+        heads, hd = cfg.num_heads + cfg.num_kv_heads, cfg.head_dim
+        qkv = layer.qkv(x)
+        qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (heads, hd))  # q and k heads, rotated together
+        v = qkv[:, self.q_size + self.kv_size :].unflatten(-1, (cfg.num_kv_heads, hd))
+        if layer.q_norm is not None:
+            gain = torch.cat([layer.q_norm.expand(cfg.num_heads, hd), layer.k_norm.expand(cfg.num_kv_heads, hd)])
+            qk = rms_norm(qk, gain, cfg.rms_norm_eps)
+        qk = qk * cos + qk.roll(self.half, -1) * sin
+        return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
+
+    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps)
+        gate, up = layer.gate_up(x).chunk(2, -1)
+        return h + layer.down(F.silu(gate) * up)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head in the model dtype; fp32 logits."""
+        return dense_linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    def prefill(self, tokens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int) -> torch.Tensor:
+        """Run a prompt [T] into cache slot `slot` (positions 0..T-1); return the last position's logits [V]."""
+        cfg = self.cfg
+        t = tokens.shape[0]
+        cos, sin = self.cos[:t, None], self.sin_signed[:t, None]
+        h = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, rms_norm(h, layer.input_norm, cfg.rms_norm_eps), cos, sin)
+            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, T, hd]
+            k_cache[i, slot, :, :t] = k
+            v_cache[i, slot, :, :t] = v
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=self.scale, enable_gqa=True
+            )
+            h = h + layer.o(o[0].transpose(0, 1).reshape(t, self.q_size))
+            h = self._mlp(layer, h)
+        return self.logits(h[-1:])[0]
+
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        write_index: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token for each of the sequences in cache slots 0..B-1; returns logits [B, V].
+
+        positions [B]: where each token goes; write_index [B*kv_heads]: its rows in a layer's cache
+        viewed as [slots*kv_heads*max_seq_len, hd]; mask [B, 1, 1, L] in the model dtype: additive, -inf
+        past each sequence's length.
+        """
+        cfg = self.cfg
+        b, length = tokens.shape[0], mask.shape[-1]
+        group = cfg.num_heads // cfg.num_kv_heads
+        cos, sin = self.cos[positions, None], self.sin_signed[positions, None]
+        h = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, rms_norm(h, layer.input_norm, cfg.rms_norm_eps), cos, sin)
+            kc, vc = k_cache[i], v_cache[i]
+            kc.view(-1, cfg.head_dim).index_copy_(0, write_index, k.reshape(-1, cfg.head_dim))
+            vc.view(-1, cfg.head_dim).index_copy_(0, write_index, v.reshape(-1, cfg.head_dim))
+            # the `group` query heads sharing a kv head act as `group` query positions of one sequence
+            o = F.scaled_dot_product_attention(
+                q.reshape(b, cfg.num_kv_heads, group, cfg.head_dim), kc[:b, :, :length], vc[:b, :, :length],
+                attn_mask=mask, scale=self.scale,
+            ).reshape(b, self.q_size)
+            h = h + layer.o(o)
+            h = self._mlp(layer, h)
+        return self.logits(h)

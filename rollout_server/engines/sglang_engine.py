@@ -1,0 +1,383 @@
+"""SGLang rollout engine for GPU nodes: one sglang.Engine per replica behind the embedded engine's interface.
+
+Written against sglang 0.5.23 (names read from its source). Generation sends token ids (skip_tokenizer_init) with
+n samples per request and reads per-token logprobs and weight-version spans from meta_info. A weight update is
+one session: pause (retract) -> begin_weight_update -> bucketed update_weights_from_tensor (or _from_distributed)
+-> end_weight_update -> continue. INT8 goes through our custom loader (sglang_int8_loader), FP8 block 128x128
+and full precision through SGLang's own loaders. Quantized engines start from dummy weights and get version 0
+from the checkpoint, quantized with qurl.quant exactly as the learner quantizes its pushes.
+Not thread-safe: call everything from the thread that built the engine (its asyncio loop lives there).
+"""
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+import torch
+
+from qurl import sglang_payload as payload
+from qurl.quant import is_quantized_linear, quantize_state_dict
+from rollout_server.engines import GenRequest, GenResult, Sample
+from rollout_server.engines.sglang_int8_loader import LOADER_PATH
+
+SGLANG_VERSION = "0.5.23"
+INSTALL_HINT = ("rollout.engine=sglang needs the sglang package: install the `sglang` extra on a GPU node "
+                "(pip install -e '.[sglang]')")
+SCHEMES = ("none", "int8", "fp8-block")
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [payload.FP8_BLOCK, payload.FP8_BLOCK]}
+DTYPES = ("float32", "bfloat16")
+POLL_S = 0.005  # how long step() lets SGLang's event loop run when nothing has finished yet
+UPDATE_GROUP = "qurl-weights"
+
+
+def require_sglang() -> None:
+    """One clear line when sglang is missing or not the version this adapter and the INT8 loader were built for."""
+    try:
+        import sglang
+    except ImportError:
+        raise ValueError(INSTALL_HINT) from None
+    if sglang.__version__ != SGLANG_VERSION:
+        raise ValueError(f"rollout.engine=sglang supports sglang {SGLANG_VERSION}, found {sglang.__version__}")
+
+
+def replica_gpus(rollout_gpus: list[int], tp_size: int, replica: int) -> list[int]:
+    """GPUs of rollout replica `replica`: the replica-th group of tp_size from cluster.rollout_gpus."""
+    group = list(rollout_gpus)[replica * tp_size:(replica + 1) * tp_size]
+    if replica < 0 or len(group) != tp_size:
+        raise ValueError(f"cluster.rollout_gpus={list(rollout_gpus)} has no {tp_size} GPUs for rollout replica {replica} "
+                         f"(rollout.tp_size={tp_size})")
+    return group
+
+
+def engine_args(model_path: str, *, scheme: str, dtype: str, tp_size: int, gpus: list[int], max_batch: int,
+                max_seq_len: int, seed: int = 0, mem_fraction: float | None = None,
+                server_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """sglang.Engine / ServerArgs keyword arguments for one replica: dp 1, token ids in and out, version "0"."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"rollout quant scheme {scheme!r} has no SGLang refit; use one of {', '.join(SCHEMES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"rollout.dtype={dtype!r} is not allowed; choose one of: {', '.join(DTYPES)}")
+    if len(gpus) != tp_size:
+        raise ValueError(f"need {tp_size} GPUs for tp_size={tp_size}, got {gpus}")
+    step = gpus[1] - gpus[0] if len(gpus) > 1 else 1
+    if step < 1 or list(gpus) != [gpus[0] + i * step for i in range(len(gpus))]:
+        raise ValueError(f"a replica's GPUs must be evenly spaced and increasing (SGLang's base_gpu_id + gpu_id_step), got {gpus}")
+    args: dict[str, Any] = dict(
+        model_path=model_path, tp_size=tp_size, dp_size=1, base_gpu_id=gpus[0], gpu_id_step=step, device="cuda",
+        skip_tokenizer_init=True, dtype=dtype, context_length=max_seq_len, max_running_requests=max_batch,
+        random_seed=seed, weight_version="0", log_level="error",
+    )
+    if scheme == "int8":
+        args.update(quantization="w8a8_int8", custom_weight_loader=[LOADER_PATH], load_format="dummy")
+    elif scheme == "fp8-block":
+        args.update(quantization="fp8", json_model_override_args=json.dumps({"quantization_config": FP8_BLOCK_CONFIG}),
+                    load_format="dummy")
+    if mem_fraction is not None:
+        args["mem_fraction_static"] = mem_fraction
+    args.update(server_args or {})  # any other ServerArgs field, e.g. cuda_graph_max_bs_decode
+    return args
+
+
+def tensor_update_request(per_rank: list[bytes], load_format: str | None, last: bool, version: int) -> Any:
+    """UpdateWeightsFromTensorReqInput for one bucket; only the last bucket flushes the cache and sets the version."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+    return UpdateWeightsFromTensorReqInput(serialized_named_tensors=list(per_rank), load_format=load_format,
+                                           flush_cache=last, weight_version=str(version) if last else None)
+
+
+def distributed_update_request(meta: tuple[list[str], list[str], list[list[int]]], group_name: str, last: bool,
+                               version: int) -> Any:
+    """UpdateWeightsFromDistributedReqInput for one flattened-bucket broadcast."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+    names, dtypes, shapes = meta
+    return UpdateWeightsFromDistributedReqInput(
+        names=list(names), dtypes=list(dtypes), shapes=[list(x) for x in shapes], group_name=group_name,
+        flush_cache=last, weight_version=str(version) if last else None, load_format="flattened_bucket")
+
+
+def request_dict(req: GenRequest) -> dict[str, Any]:
+    """GenerateReqInput keyword arguments for one GenRequest: n samples, max_new_tokens always set, logprobs on."""
+    sampling = {"n": req.n, "max_new_tokens": req.max_new_tokens, "temperature": req.temperature,
+                "top_p": req.top_p, "top_k": req.top_k, "stop_token_ids": list(req.stop_token_ids)}
+    return {"input_ids": list(req.prompt_ids), "sampling_params": sampling, "return_logprob": True}
+
+
+def token_versions(meta: dict[str, Any], num_tokens: int) -> list[int]:
+    """Per-token weight versions from meta_info's weight_versions spans, else its single weight_version."""
+    try:
+        spans = meta.get("weight_versions")
+        if not spans:
+            return [int(meta["weight_version"])] * num_tokens
+        versions: list[int | None] = [None] * num_tokens
+        for span in spans:
+            for i in range(span["start"], min(span["end"], num_tokens)):
+                versions[i] = int(span["version"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"sglang meta_info carries no integer weight version ({exc!r}); start it with weight_version='0'") from None
+    if None in versions:
+        raise ValueError(f"sglang weight_versions spans {spans} do not cover {num_tokens} output tokens")
+    return versions  # type: ignore[return-value]
+
+
+def parse_output(out: dict[str, Any]) -> Sample:
+    """One SGLang result dict -> Sample; tokens and logprobs come from meta_info.output_token_logprobs."""
+    meta = out["meta_info"]
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in ("stop", "length"):
+        raise RuntimeError(f"sglang did not finish the request: {finish}")
+    triples = meta["output_token_logprobs"]
+    if any(lp is None for lp, _, _ in triples):
+        raise ValueError("sglang returned a token without a logprob; requests must set return_logprob")
+    tokens = [int(tok) for _, tok, _ in triples]
+    return Sample(token_ids=tokens, logprobs=[float(lp) for lp, _, _ in triples],
+                  versions=token_versions(meta, len(tokens)), finish_reason=kind)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a Hugging Face folder."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    return files
+
+
+def expected_tensors(path: str, scheme: str) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Name -> (shape, dtype or None for "any floating") of every tensor a push must carry, from safetensors headers."""
+    from safetensors import safe_open
+
+    suffix = payload.SCALE_SUFFIX[scheme]
+    out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+    for f in checkpoint_files(path):
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                shape = tuple(st.get_slice(name).get_shape())
+                if suffix and is_quantized_linear(name):
+                    out[name] = (shape, payload.CODE_DTYPE[scheme])
+                    out[name + suffix] = (payload.scale_shape(scheme, shape), torch.float32)
+                else:
+                    out[name] = (shape, None)
+    return out
+
+
+def check_push(expected: dict, tensors: dict[str, torch.Tensor], partial: bool = False) -> None:
+    """Refuse a push whose names, shapes or dtypes differ from what the engine loads (see expected_tensors)."""
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        hint = " (tied embeddings: send model.embed_tokens.weight only)" if unknown[0] == "lm_head.weight" else ""
+        raise ValueError(f"update_weights: unknown tensor {unknown[0]!r}{hint} ({len(unknown)} unknown)")
+    if not partial:
+        missing = sorted(set(expected) - set(tensors))
+        if missing:
+            raise ValueError(f"update_weights: missing tensor {missing[0]!r} ({len(missing)} missing; pass partial=True for a subset)")
+    for name, t in tensors.items():
+        shape, dtype = expected[name]
+        if tuple(t.shape) != shape or (t.dtype != dtype if dtype is not None else not t.is_floating_point()):
+            want = dtype if dtype is not None else "floating"
+            raise ValueError(f"update_weights: {name} is {t.dtype} {tuple(t.shape)}, the engine loads {want} {shape}")
+
+
+class SGLangEngine:
+    """generate / add_request / step / update_weights / version over one sglang.Engine (see design.md section 4)."""
+
+    def __init__(self, engine: Any, *, scheme: str, tp_size: int, expected: dict, bucket_bytes: int) -> None:
+        self.engine, self.scheme, self.tp_size = engine, scheme, tp_size
+        self.expected, self.bucket_bytes = expected, bucket_bytes
+        self._loop: asyncio.AbstractEventLoop = engine.loop
+        self._tm = engine.tokenizer_manager
+        self._version = 0
+        self._tasks: dict[asyncio.Task, tuple[Hashable, int]] = {}  # task -> (request id, n)
+        self._in_flight: set[Hashable] = set()
+
+    @classmethod
+    def from_pretrained(cls, path: str, quant: str = "int8", dtype: str = "bfloat16", device: str = "cuda",
+                        max_batch: int = 64, max_seq_len: int = 2048, tp_size: int = 1, gpus: list[int] | None = None,
+                        seed: int = 0, mem_fraction: float | None = None, server_args: dict[str, Any] | None = None,
+                        bucket_bytes: int = payload.DEFAULT_BUCKET_BYTES) -> "SGLangEngine":
+        """Start SGLang on `gpus` (default: tp_size GPUs from device "cuda:N"), then load version 0."""
+        require_sglang()
+        if gpus is None:
+            if device != "cuda" and not device.startswith("cuda:"):
+                raise ValueError(f"rollout.device={device!r}: the sglang engine runs on CUDA GPUs ('cuda' or 'cuda:N')")
+            first = int(device.partition(":")[2] or 0)
+            gpus = list(range(first, first + tp_size))
+        scheme = quant if quant != "fp8" else "fp8-block"
+        args = engine_args(path, scheme=scheme, dtype=dtype, tp_size=tp_size, gpus=gpus, max_batch=max_batch,
+                           max_seq_len=max_seq_len, seed=seed, mem_fraction=mem_fraction, server_args=server_args)
+        expected = expected_tensors(path, scheme)
+        import sglang
+
+        self = cls(sglang.Engine(**args), scheme=scheme, tp_size=tp_size, expected=expected, bucket_bytes=bucket_bytes)
+        if scheme != "none":
+            try:
+                self._session(self._checkpoint_buckets(path), version=0)
+            except BaseException:
+                self.close()
+                raise
+        return self
+
+    @classmethod
+    def from_config(cls, cfg: Any, replica: int = 0) -> "SGLangEngine":
+        """Replica `replica` of a qurl config: rollout.tp_size GPUs from cluster.rollout_gpus."""
+        from qurl.config import get
+        from qurl.quant import scheme_for
+
+        tp = get(cfg, "rollout.tp_size")
+        return cls.from_pretrained(
+            get(cfg, "model.path"), quant=scheme_for(get(cfg, "rollout.quant"), get(cfg, "quant.fp8_granularity")),
+            dtype=get(cfg, "rollout.dtype"), max_batch=get(cfg, "rollout.max_batch"),
+            max_seq_len=get(cfg, "rollout.max_seq_len"), tp_size=tp,
+            gpus=replica_gpus(list(get(cfg, "cluster.rollout_gpus")), tp, replica), seed=get(cfg, "run.seed"))
+
+    # -- generation ----------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Weight version that produces the next tokens."""
+        return self._version
+
+    def has_work(self) -> bool:
+        return bool(self._tasks)
+
+    def add_request(self, req: GenRequest, request_id: Hashable) -> None:
+        """Queue a request; its n samples come back together from step() as (request_id, index, Sample)."""
+        if request_id in self._in_flight:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if not req.prompt_ids or req.n < 1 or req.max_new_tokens < 1:
+            raise ValueError(f"need a prompt, n >= 1 and max_new_tokens >= 1, got {len(req.prompt_ids)} tokens, "
+                             f"n={req.n}, max_new_tokens={req.max_new_tokens}")
+        task = self._loop.create_task(self.engine.async_generate(**request_dict(req)))
+        self._tasks[task] = (request_id, req.n)
+        self._in_flight.add(request_id)
+
+    def step(self) -> list[tuple[Hashable, int, Sample]]:
+        """Let SGLang run until some request finishes (or POLL_S passes); return the finished samples."""
+        if not self._tasks:
+            return []
+        done, _ = self._loop.run_until_complete(
+            asyncio.wait(list(self._tasks), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED))
+        finished: list[tuple[Hashable, int, Sample]] = []
+        for task in done:
+            request_id, n = self._tasks.pop(task)
+            self._in_flight.discard(request_id)
+            outs = task.result()
+            outs = outs if isinstance(outs, list) else [outs]
+            if len(outs) != n:
+                raise RuntimeError(f"sglang returned {len(outs)} samples for a request of n={n}")
+            finished.extend((request_id, i, parse_output(out)) for i, out in enumerate(outs))
+        return finished
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Run `requests` to completion; one GenResult per request, samples in index order."""
+        if self.has_work():
+            raise RuntimeError("generate() needs an idle engine; drive add_request()/step() instead")
+        out: list[list[Sample | None]] = [[None] * req.n for req in requests]
+        for i, req in enumerate(requests):
+            self.add_request(req, i)
+        while self.has_work():
+            for rid, index, smp in self.step():
+                out[rid][index] = smp
+        return [GenResult(samples=s) for s in out]
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int, partial: bool = False) -> None:
+        """Apply a push (quantize_state_dict's output) as `version`; every name, shape and dtype is checked first."""
+        check_push(self.expected, named_tensors, partial)
+        named = payload.named_tensors(named_tensors, self.scheme)
+        self._session(iter(payload.buckets(named, self.bucket_bytes)), version)
+
+    def _checkpoint_buckets(self, path: str) -> Iterator[payload.Named]:
+        """Version 0 from the checkpoint, one safetensors file at a time, quantized like the learner's pushes."""
+        from safetensors.torch import load_file
+
+        for f in checkpoint_files(path):
+            named = payload.named_tensors(quantize_state_dict(load_file(f), self.scheme), self.scheme)
+            yield from payload.buckets(named, self.bucket_bytes)
+
+    def _session(self, bucket_iter: Iterator[payload.Named], version: int) -> None:
+        """pause(retract) -> begin -> one tensor update per bucket -> end -> continue; the version lands with the last bucket."""
+        load_format = LOADER_PATH if self.scheme == "int8" else None
+
+        def request(bucket: payload.Named, last: bool) -> Any:
+            obj = tensor_update_request(payload.serialize_named(bucket, self.tp_size), load_format, last, version)
+            return self._tm.update_weights_from_tensor(obj, None)
+
+        self._run_session(bucket_iter, request)
+        self._version = int(version)
+
+    def apply_serialized(self, payloads: list[list[bytes]], version: int, load_format: str | None = None) -> None:
+        """Colocated push: per bucket, one payload per TP rank already serialized by the learner (CUDA IPC handles)."""
+        if self.scheme == "int8" and load_format not in (None, LOADER_PATH):
+            raise ValueError(f"INT8 refits load through {LOADER_PATH}; load_format={load_format!r} would use SGLang's stock loader")
+        fmt = LOADER_PATH if self.scheme == "int8" else load_format
+
+        def request(per_rank: list[bytes], last: bool) -> Any:
+            if len(per_rank) != self.tp_size:
+                raise ValueError(f"need one payload per TP rank ({self.tp_size}), got {len(per_rank)}")
+            return self._tm.update_weights_from_tensor(tensor_update_request(per_rank, fmt, last, version), None)
+
+        self._run_session(iter(payloads), request)
+        self._version = int(version)
+
+    def init_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str = UPDATE_GROUP, backend: str = "nccl") -> None:
+        """Join this replica's TP ranks to the learner's broadcast group (ranks rank_offset .. rank_offset+tp-1)."""
+        ok, msg = self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                                        group_name, backend)
+        if not ok:
+            raise RuntimeError(f"sglang init_weights_update_group failed: {msg}")
+
+    def receive_broadcast(self, metas: list[tuple[list[str], list[str], list[list[int]]]], version: int,
+                          group_name: str = UPDATE_GROUP, partial: bool = False) -> None:
+        """Separate-GPU push: receive one flattened NCCL broadcast per bucket (bucket_meta of each) from learner rank 0."""
+        if self.scheme == "int8":
+            raise ValueError("INT8 refits need update_weights_from_tensor: sglang 0.5.23 loads distributed updates "
+                             "with model.load_weights, which cannot write w8a8_int8 weights after the first load")
+        check_push(self.expected, {n: torch.empty(s, dtype=getattr(torch, d), device="meta")  # metadata only
+                                   for names, dtypes, shapes in metas
+                                   for n, d, s in zip(names, dtypes, shapes, strict=True)}, partial)
+
+        def request(meta: tuple, last: bool) -> Any:
+            return self._tm.update_weights_from_distributed(distributed_update_request(meta, group_name, last, version), None)
+
+        self._run_session(iter(metas), request)
+        self._version = int(version)
+
+    def _run_session(self, items: Iterator, request) -> None:
+        from sglang.srt.managers.io_struct import (BeginWeightUpdateReqInput, ContinueGenerationReqInput,
+                                                   EndWeightUpdateReqInput, PauseGenerationReqInput)
+
+        run = self._loop.run_until_complete
+        run(self._tm.pause_generation(PauseGenerationReqInput(mode="retract")))
+        try:
+            _ok(run(self._tm.begin_weight_update(BeginWeightUpdateReqInput(), None)), "begin_weight_update")
+            try:
+                item = next(items, None)
+                if item is None:
+                    raise ValueError("a weight update needs at least one tensor")
+                while item is not None:
+                    following = next(items, None)
+                    _ok(run(request(item, last=following is None)), "weight update")
+                    item = following
+            finally:
+                _ok(run(self._tm.end_weight_update(EndWeightUpdateReqInput(), None)), "end_weight_update")
+        finally:
+            run(self._tm.continue_generation(ContinueGenerationReqInput()))
+
+    def close(self) -> None:
+        """Shut the SGLang subprocesses down."""
+        self.engine.shutdown()
+
+
+def _ok(result: tuple[bool, str], what: str) -> None:
+    success, message = result
+    if not success:
+        raise RuntimeError(f"sglang {what} failed: {message}")

@@ -1,0 +1,258 @@
+"""The embedded rollout engine: continuous batching over a preallocated KV cache, in-place weight updates.
+
+Active sequences always occupy cache slots 0..B-1: a finished sequence's slot is refilled by moving
+the last active sequence into it, so one decode step runs over contiguous cache views.
+Not thread-safe: call add_request / step / update_weights from one thread (the server loop).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import random
+from collections.abc import Hashable
+
+import torch
+
+from qurl.quant import quantize_state_dict
+from rollout_server.engines import GenRequest, GenResult, Sample
+from rollout_server.engines.model import ModelConfig, Transformer, load_safetensors
+from rollout_server.engines.sampling import sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_SCHEMES = {"none": "none", "int8": "int8", "fp8": "fp8-block", "fp8-channel": "fp8-channel", "fp8-block": "fp8-block"}
+
+
+class _Seq:
+    """One sample in flight: its tokens so far and where it sits in the cache."""
+
+    __slots__ = ("request_id", "index", "req", "stop", "gen", "tokens", "logprobs", "versions", "length")
+
+    def __init__(self, request_id: Hashable, index: int, req: GenRequest, gen: torch.Generator, length: int) -> None:
+        self.request_id, self.index, self.req, self.gen = request_id, index, req, gen
+        self.stop = set(req.stop_token_ids)
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.length = length  # tokens held in the cache; the last sampled token is not yet among them
+
+    def push(self, token: int, logprob: float, version: int) -> str | None:
+        """Record a sampled token; return the finish reason if it ends the sequence."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if token in self.stop:
+            return "stop"
+        return "length" if len(self.tokens) >= self.req.max_new_tokens else None
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Distinct, reproducible generator seed for sample `index` of a request seeded with `seed`."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class TorchEngine:
+    """Continuous-batching generation with fp / INT8 / FP8 linears; see design.md section 4."""
+
+    def __init__(self, model: Transformer, max_batch: int, max_seq_len: int) -> None:
+        if max_batch < 1 or max_seq_len < 2:
+            raise ValueError(f"need max_batch >= 1 and max_seq_len >= 2, got {max_batch} and {max_seq_len}")
+        cfg = model.cfg
+        self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
+        self.device = model.device
+        shape = (cfg.num_layers, max_batch, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        rows = torch.arange(max_batch * cfg.num_kv_heads, device=self.device).view(max_batch, cfg.num_kv_heads)
+        self._row_base = rows * max_seq_len  # first cache row of (slot, kv head) in a layer viewed as [-1, hd]
+        self._weights = dict(model.named)
+        self._version = 0
+        self._active: list[_Seq] = []
+        self._waiting: collections.deque = collections.deque()  # [request_id, req, next sample index]
+        self._remaining: dict[Hashable, int] = {}  # request id -> samples not yet handed back
+        self._rng = random.Random()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        quant: str = "int8",
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_batch: int = 64,
+        max_seq_len: int = 2048,
+    ) -> "TorchEngine":
+        """Load full-precision HF weights, quantize them with qurl.quant, and keep exactly those buffers."""
+        if quant not in _SCHEMES:
+            raise ValueError(f"unknown quant {quant!r}; allowed: {', '.join(_SCHEMES)}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(_DTYPES)}")
+        cfg = ModelConfig.from_dir(path)
+        scheme = _SCHEMES[quant]
+        tensors = quantize_state_dict(load_safetensors(path, cfg.tensor_shapes()), scheme)
+        model = Transformer(cfg, tensors, scheme, _DTYPES[dtype], torch.device(device), max_seq_len)
+        return cls(model, max_batch, max_seq_len)
+
+    @property
+    def version(self) -> int:
+        """Weight version that produces the next tokens."""
+        return self._version
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The engine's named weight tensors (HF names, quantized layout); read them, update via update_weights."""
+        return dict(self._weights)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        """Samples queued but not yet admitted."""
+        return sum(entry[1].n - entry[2] for entry in self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._active or self._waiting)
+
+    def add_request(self, req: GenRequest, request_id: Hashable) -> None:
+        """Queue a request; its samples come back from step() as (request_id, sample index, Sample)."""
+        self._check(req)
+        if request_id in self._remaining:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        self._remaining[request_id] = req.n
+        self._waiting.append([request_id, req, 0])
+
+    def _check(self, req: GenRequest) -> None:
+        vocab = self.model.cfg.vocab_size
+        if not req.prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise ValueError(f"prompt_ids hold a token outside [0, {vocab})")
+        if req.n < 1 or req.max_new_tokens < 1:
+            raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={req.n}, max_new_tokens={req.max_new_tokens}")
+        if len(req.prompt_ids) + req.max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds max_seq_len {self.max_seq_len}"
+            )
+        if not req.temperature >= 0 or not 0 < req.top_p <= 1 or not (req.top_k == -1 or req.top_k >= 1):
+            raise ValueError(
+                f"need temperature >= 0, 0 < top_p <= 1, top_k -1 or >= 1; got {req.temperature}, {req.top_p}, {req.top_k}"
+            )
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Run `requests` to completion; one GenResult per request, samples in index order."""
+        if self.has_work():
+            raise RuntimeError("generate() needs an idle engine; drive add_request()/step() instead")
+        out: list[list[Sample | None]] = [[None] * req.n for req in requests]
+        for i, req in enumerate(requests):
+            self.add_request(req, i)
+        while self.has_work():
+            for rid, index, smp in self.step():
+                out[rid][index] = smp
+        return [GenResult(samples=s) for s in out]
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Hashable, int, Sample]]:
+        """Admit waiting samples into free slots (prefill), then decode one token for every active sequence."""
+        finished: list[tuple[Hashable, int, Sample]] = []
+        done: list[tuple[int, str]] = []  # (slot, finish reason)
+        while self._waiting and len(self._active) < self.max_batch:
+            self._admit(done)
+        self._release(done, finished)
+        if self._active:
+            self._decode(done)
+            self._release(done, finished)
+        return finished
+
+    def _admit(self, done: list[tuple[int, str]]) -> None:
+        entry = self._waiting[0]
+        request_id, req, first = entry
+        k = min(self.max_batch - len(self._active), req.n - first)
+        slot = len(self._active)
+        prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
+        logits = self.model.prefill(prompt, self.k_cache, self.v_cache, slot)
+        t = len(req.prompt_ids)
+        if k > 1:
+            self.k_cache[:, slot + 1 : slot + k, :, :t] = self.k_cache[:, slot : slot + 1, :, :t]
+            self.v_cache[:, slot + 1 : slot + k, :, :t] = self.v_cache[:, slot : slot + 1, :, :t]
+        seqs = []
+        for index in range(first, first + k):
+            seed = sample_seed(req.seed, index) if req.seed is not None else self._rng.getrandbits(63)
+            seqs.append(_Seq(request_id, index, req, torch.Generator().manual_seed(seed), t))
+        self._active.extend(seqs)
+        self._sample(logits.expand(k, -1), seqs, slot, done)
+        entry[2] += k
+        if entry[2] == req.n:
+            self._waiting.popleft()
+
+    def _decode(self, done: list[tuple[int, str]]) -> None:
+        seqs = self._active
+        tokens = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long, device=self.device)
+        positions = torch.tensor([s.length for s in seqs], dtype=torch.long, device=self.device)
+        length = max(s.length for s in seqs) + 1
+        write_index = (self._row_base[: len(seqs)] + positions[:, None]).flatten()
+        visible = torch.arange(length, device=self.device)[None, :] <= positions[:, None]
+        mask = torch.zeros(visible.shape, dtype=self.model.dtype, device=self.device)
+        mask = mask.masked_fill_(~visible, -torch.inf)[:, None, None, :]
+        logits = self.model.decode(tokens, positions, self.k_cache, self.v_cache, write_index, mask)
+        for s in seqs:
+            s.length += 1
+        self._sample(logits, seqs, 0, done)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq], first_slot: int, done: list[tuple[int, str]]) -> None:
+        reqs = [s.req for s in seqs]
+        tokens, logprobs = sample(
+            logits,
+            [r.temperature for r in reqs],
+            [r.top_p for r in reqs],
+            [r.top_k for r in reqs],
+            [1.0 - torch.rand((), generator=s.gen).item() for s in seqs],  # in (0, 1]
+        )
+        for i, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
+            reason = s.push(tok, lp, self._version)
+            if reason is not None:
+                done.append((first_slot + i, reason))
+
+    def _release(self, done: list[tuple[int, str]], finished: list[tuple[Hashable, int, Sample]]) -> None:
+        """Hand back finished sequences; move the last active sequence into each freed slot."""
+        for slot, reason in sorted(done, reverse=True):
+            s = self._active[slot]
+            finished.append((s.request_id, s.index, Sample(s.tokens, s.logprobs, s.versions, reason)))
+            last = len(self._active) - 1
+            if slot != last:
+                moved = self._active[last]
+                n = moved.length
+                self.k_cache[:, slot, :, :n] = self.k_cache[:, last, :, :n]
+                self.v_cache[:, slot, :, :n] = self.v_cache[:, last, :, :n]
+                self._active[slot] = moved
+            self._active.pop()
+            self._remaining[s.request_id] -= 1
+            if not self._remaining[s.request_id]:
+                del self._remaining[s.request_id]
+        done.clear()
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int, partial: bool = False) -> None:
+        """Copy new weights into the existing buffers in place; everything is checked before anything is written.
+
+        Without `partial`, `named_tensors` must name every engine tensor (see `weights`).
+        """
+        expected = self._weights
+        unknown = sorted(set(named_tensors) - set(expected))
+        if unknown:
+            hint = " (tied embeddings: send model.embed_tokens.weight only)" if unknown[0] == "lm_head.weight" else ""
+            raise ValueError(f"update_weights: unknown tensor {unknown[0]!r}{hint} ({len(unknown)} unknown)")
+        if not partial:
+            missing = sorted(set(expected) - set(named_tensors))
+            if missing:
+                raise ValueError(f"update_weights: missing tensor {missing[0]!r} ({len(missing)} missing; pass partial=True for a subset)")
+        for name, t in named_tensors.items():
+            dst = expected[name]
+            if tuple(t.shape) != tuple(dst.shape) or t.dtype != dst.dtype:
+                raise ValueError(
+                    f"update_weights: {name} is {t.dtype} {tuple(t.shape)}, the engine holds {dst.dtype} {tuple(dst.shape)}"
+                )
+        with torch.inference_mode():  # also fine for buffers created inside inference mode
+            for name, t in named_tensors.items():
+                expected[name].copy_(t)
+        self._version = int(version)
