@@ -68,7 +68,8 @@ FINISH_REASON_CHARS = 64
 PUSH_MODES = ("full", "delta")
 # server -> learner: hello, heartbeat, bye, resend_weights (lagging, or a checksum mismatch);
 # learner -> server: reply (its version and the server's budget), resend_status (say hello again)
-STATUS_TYPES = ("hello", "heartbeat", "bye", "reply", "resend_status", "resend_weights")
+STATUS_TYPES = ("hello", "heartbeat", "bye", "reply", "resend_status", "resend_weights", "eval_request",
+                "eval_result")
 
 
 class ProtocolError(ValueError):

@@ -1,0 +1,408 @@
+"""The generation loop: admit groups, step the engine, score, send; take weight pushes between steps."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import zmq
+
+from qurl import protocol
+from qurl.config import get
+from qurl.data import Example, PromptDataset
+from qurl.evaluate import EvalSet
+from qurl.protocol import Status, TrajectoryGroup, WeightPush
+from qurl.rewards import RewardPool, RewardResult
+from qurl.transport import Receiver, Sender
+from rollout_server.admission import Admission
+from rollout_server.engines import GenRequest
+from rollout_server.engines import Sample as EngineSample
+
+log = logging.getLogger("rollout_server")
+
+HEARTBEAT_S = 1.0
+IDLE_WAIT_MS = 20
+COUNTERS = ("admitted", "generated", "scored", "sent", "send_retries", "tokens", "weight_pushes_applied",
+            "weight_pushes_rejected", "weight_pushes_ignored", "bad_messages", "bad_groups", "reward_timeouts",
+            "reward_errors", "reward_nan")
+
+
+@dataclass
+class Sockets:
+    ctx: zmq.Context
+    push: zmq.Socket  # trajectories
+    sub: zmq.Socket  # weights
+    dealer: zmq.Socket  # control
+
+    def close(self, linger_ms: int = 500) -> None:
+        """Close all three; the PUSH and DEALER get linger_ms to deliver what is queued."""
+        for sock in (self.push, self.dealer):
+            sock.setsockopt(zmq.LINGER, linger_ms)
+        for sock in (self.push, self.sub, self.dealer):
+            sock.close()
+        self.ctx.term()
+
+
+@dataclass
+class Group:
+    """One admitted prompt and its samples as they finish (in sample order)."""
+
+    group_id: str
+    example: Example
+    samples: list[Optional[EngineSample]]
+    left: int
+
+
+@dataclass
+class EvalRun:
+    """A held-out evaluation in flight: greedy (or avg@k) responses of one weight version."""
+
+    version: int
+    texts: list[list[str]]
+    left: int
+
+
+def stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
+    """The tokenizer's eos id plus every eos id of the model's generation_config.json."""
+    from transformers import GenerationConfig
+
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is not None:
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    if not ids:
+        raise ValueError(f"{model_path}: neither the tokenizer nor generation_config.json names an eos token")
+    return sorted(ids)
+
+
+class Scorer:
+    """Scores finished groups on one thread (the pool's only caller), so decoding never waits on a verifier."""
+
+    def __init__(self, pool: RewardPool) -> None:
+        self.pool = pool
+        self._todo: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self.pending = 0
+        self._thread = threading.Thread(target=self._run, name="qurl-scorer", daemon=True)
+        self._thread.start()
+
+    def submit(self, group: Group, items: list[tuple[str, str]]) -> None:
+        self.pending += 1
+        self._todo.put((group, items))
+
+    def collect(self) -> list[tuple[Group, list[RewardResult]]]:
+        """Every group scored since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        self.pending -= len(out)
+        return out
+
+    def close(self, timeout_s: float) -> bool:
+        """Stop the thread after the item in hand; False if it is still busy after timeout_s."""
+        self._todo.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            jobs = [self._todo.get()]
+            while not self._todo.empty():  # score everything that is waiting in one call
+                jobs.append(self._todo.get())
+            work = [job for job in jobs if job is not None]
+            items = [item for _, group_items in work for item in group_items]
+            try:
+                results = self.pool.score(items) if items else []
+            except Exception as exc:  # noqa: BLE001  (a broken pool scores 0 with a reason, the loop goes on)
+                results = [RewardResult(0.0, "error", f"{type(exc).__name__}: {exc}"[:300])] * len(items)
+            pos = 0
+            for group, group_items in work:
+                self._done.put((group, results[pos:pos + len(group_items)]))
+                pos += len(group_items)
+            if len(work) < len(jobs):
+                return
+
+
+class Outbox:
+    """Groups waiting for the PUSH socket; a full queue (HWM) keeps them for the next try, never drops."""
+
+    def __init__(self, sender: Sender, counters: dict[str, int]) -> None:
+        self.sender = sender
+        self.counters = counters
+        self.pending: deque[TrajectoryGroup] = deque()
+
+    def flush(self) -> None:
+        while self.pending:
+            try:
+                self.sender.send(self.pending[0], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self.counters["send_retries"] += 1
+                return
+            self.pending.popleft()
+            self.counters["sent"] += 1
+
+
+class RolloutLoop:
+    """Single-threaded driver of one engine: every socket and engine call happens here, between decode steps.
+
+    Status fields: running = groups in the engine (decoding or waiting for a slot); queued = finished
+    groups waiting to be scored or sent.
+    """
+
+    def __init__(self, cfg: Any, *, server_id: str, engine: Any, scheme: str, tokenizer: Any, dataset: PromptDataset,
+                 pool: RewardPool, sockets: Sockets, secret: Optional[bytes], admission: Admission,
+                 stop_ids: list[int], eval_set: Optional[EvalSet] = None) -> None:
+        self.server_id, self.engine, self.scheme = server_id, engine, scheme
+        self.tokenizer, self.dataset, self.admission, self.stop_ids = tokenizer, dataset, admission, stop_ids
+        self.sockets = sockets
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.scorer = Scorer(pool)
+        self.outbox = Outbox(Sender(sockets.push, server_id, secret=secret), self.counters)
+        self.control = Sender(sockets.dealer, server_id, secret=secret)
+        self.control_rx = Receiver(sockets.dealer, secret=secret, max_bytes=sockets.dealer.getsockopt(zmq.MAXMSGSIZE),
+                                   kinds=("status",))
+        self.weights_rx = Receiver(sockets.sub, secret=secret, max_bytes=sockets.sub.getsockopt(zmq.MAXMSGSIZE),
+                                   kinds=("weight_push",))
+        self.running: dict[int, Group] = {}  # engine request id (draw index) -> group
+        self.n = get(cfg, "rollout.n_samples")
+        self.max_batch = get(cfg, "rollout.max_batch")
+        self.seed = get(cfg, "run.seed")
+        self.sampling = {k: get(cfg, f"rollout.sampling.{k}")
+                         for k in ("max_new_tokens", "temperature", "top_p", "top_k")}
+        self.engine_name = get(cfg, "rollout.engine")
+        self.draws = 0
+        self.eval_set = eval_set
+        self.eval_sampling = dict(self.sampling, temperature=get(cfg, "eval.temperature"))
+        self.eval_k = get(cfg, "eval.n_samples")
+        self.eval_wanted: Optional[int] = None  # version the learner asked to evaluate
+        self.eval_run: Optional[EvalRun] = None  # generating; weight pushes wait until it is done
+        self._last_heartbeat = 0.0
+        self._log_interval = get(cfg, "log.interval_s")
+        self._last_log = time.monotonic()
+        self._logged = dict(self.counters)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Run until stop is set."""
+        self._status("hello")
+        while not stop.is_set():
+            self._poll_control()
+            self._poll_weights()
+            self._start_eval()
+            self._admit()
+            if self.engine.has_work():
+                self._finish(self.engine.step())
+            for group, rewards in self.scorer.collect():
+                self._enqueue(group, rewards)
+            self.outbox.flush()
+            self._tick()
+            if not self.engine.has_work():
+                self._wait_idle()
+
+    def close(self) -> None:
+        """Stop scoring, hand what is ready to the PUSH socket and say bye; the sockets' linger delivers them."""
+        if not self.scorer.close(timeout_s=2.0):
+            log.warning("a reward item is still being scored; leaving it to the pool's shutdown")
+        for group, rewards in self.scorer.collect():
+            self._enqueue(group, rewards)
+        self.outbox.flush()
+        self._status("bye")
+
+    # -- work ---------------------------------------------------------------------------------
+
+    def _fits(self) -> bool:
+        """A free KV-cache slot: queue one more group, so slots freed by a group's early finishers refill at once."""
+        return self.engine.num_running + self.engine.num_waiting < self.max_batch
+
+    def _admit(self) -> None:
+        while self.admission.room() > 0 and self._fits():
+            example = self.dataset.next()
+            index = self.draws
+            self.draws += 1
+            request = GenRequest(prompt_ids=example.prompt_ids, n=self.n, **self.sampling,
+                                 stop_token_ids=self.stop_ids, seed=self.seed * 1_000_003 + index)
+            self.engine.add_request(request, index)
+            self.running[index] = Group(f"{self.server_id}-{index}", example, [None] * self.n, self.n)
+            self.admission.admit()
+            self.counters["admitted"] += 1
+
+    def _finish(self, finished: list[tuple[int, int, EngineSample]]) -> None:
+        for rid, index, sample in finished:
+            if rid < 0:
+                self._finish_eval(-rid - 1, sample)
+                continue
+            group = self.running[rid]
+            group.samples[index] = sample
+            group.left -= 1
+            self.counters["tokens"] += len(sample.token_ids)
+            if group.left:
+                continue
+            del self.running[rid]
+            self.counters["generated"] += 1
+            texts = self.tokenizer.batch_decode([s.token_ids for s in group.samples], skip_special_tokens=True)
+            self.scorer.submit(group, [(t, group.example.answer) for t in texts])
+
+    def _enqueue(self, group: Group | EvalRun, rewards: list[RewardResult]) -> None:
+        if isinstance(group, EvalRun):
+            self._report_eval(group, rewards)
+            return
+        self.counters["scored"] += 1
+        for r in rewards:
+            key = {"timeout": "reward_timeouts", "error": "reward_errors", "nan": "reward_nan"}.get(r.status)
+            if key:
+                self.counters[key] += 1
+        try:
+            message = TrajectoryGroup(
+                prompt_id=group.example.id, group_id=group.group_id, server_id=self.server_id,
+                prompt_ids=np.asarray(group.example.prompt_ids, dtype=np.int32),
+                samples=tuple(protocol.Sample(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
+                                              reward=r.reward, finish_reason=s.finish_reason,
+                                              reward_details=_details(r))
+                              for s, r in zip(group.samples, rewards)))
+        except protocol.ProtocolError as exc:  # an engine output the wire refuses (e.g. a NaN logprob)
+            self.counters["bad_groups"] += 1
+            log.error("dropped group %s: %s", group.group_id, exc)
+            return
+        self.outbox.pending.append(message)
+
+    # -- weights and control ------------------------------------------------------------------
+
+    def _start_eval(self) -> None:
+        """Queue the eval prompts (request ids < 0) once the engine holds the requested version."""
+        if self.eval_wanted is None or self.eval_run is not None or self.engine.version < self.eval_wanted:
+            return
+        self.eval_wanted = None
+        if self.eval_set is None:
+            return
+        for i, prompt in enumerate(self.eval_set.prompt_ids):
+            request = GenRequest(prompt_ids=prompt, n=self.eval_k, **self.eval_sampling,
+                                 stop_token_ids=self.stop_ids, seed=i)
+            self.engine.add_request(request, -i - 1)
+        self.eval_run = EvalRun(self.engine.version, [[] for _ in self.eval_set.prompt_ids],
+                                len(self.eval_set) * self.eval_k)
+        log.info("evaluating version %d on %d held-out prompts", self.engine.version, len(self.eval_set))
+
+    def _finish_eval(self, i: int, sample: EngineSample) -> None:
+        run = self.eval_run
+        run.texts[i].append(self.tokenizer.decode(sample.token_ids, skip_special_tokens=True))
+        run.left -= 1
+        if run.left == 0:  # generation done: weights may move again while the verifier scores
+            self.eval_run = None
+            answers = self.eval_set.answers
+            self.scorer.submit(run, [(t, answers[j]) for j, texts in enumerate(run.texts) for t in texts])
+
+    def _report_eval(self, run: EvalRun, rewards: list[RewardResult]) -> None:
+        acc = sum(r.reward for r in rewards) / max(1, len(rewards))
+        log.info("eval of version %d: avg@%d %.4f over %d prompts", run.version, self.eval_k, acc, len(run.texts))
+        status = Status(type="eval_result", server_id=self.server_id, version=run.version,
+                        counters={"acc": float(acc), "problems": len(run.texts), "k": self.eval_k})
+        try:
+            self.control.send(status, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("could not send the eval result of version %d: control queue full", run.version)
+
+    def _poll_weights(self) -> None:
+        """Drain the SUB socket and apply the newest push, if it is newer than what the engine holds."""
+        if self.eval_run is not None:  # every eval token comes from one version
+            return
+        newest: Optional[WeightPush] = None
+        while self.sockets.sub.poll(0):
+            msg = self.weights_rx.recv(timeout_ms=0)
+            if msg is None:
+                continue
+            if newest is not None:  # one of the two is superseded
+                self.counters["weight_pushes_ignored"] += 1
+            if newest is None or msg.version > newest.version:
+                newest = msg
+        self.counters["bad_messages"] = self._rejected()
+        if newest is None:
+            return
+        if newest.version <= self.engine.version:  # a re-publish for a server that lags, or a stale one
+            self.counters["weight_pushes_ignored"] += 1
+            return
+        if newest.scheme != self.scheme:
+            self._reject_push(newest, f"scheme {newest.scheme!r}, this engine holds {self.scheme!r}")
+            return
+        if newest.mode != "full":
+            self._reject_push(newest, f"mode {newest.mode!r} is not supported yet")
+            return
+        started = time.perf_counter()
+        try:
+            named = {name: protocol.to_torch(t.data, t.dtype) for name, t in newest.tensors.items()}
+            self.engine.update_weights(named, newest.version)
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+            self._reject_push(newest, str(exc))
+            return
+        self.counters["weight_pushes_applied"] += 1
+        log.info("applied weights version %d (%d tensors) in %.3f s", newest.version, len(named),
+                 time.perf_counter() - started)
+
+    def _reject_push(self, push: WeightPush, why: str) -> None:
+        self.counters["weight_pushes_rejected"] += 1
+        log.error("rejected weight push version %d: %s", push.version, " ".join(why.split())[:300])
+
+    def _poll_control(self) -> None:
+        while self.sockets.dealer.poll(0):
+            msg = self.control_rx.recv(timeout_ms=0)
+            if msg is None:
+                continue
+            if msg.type == "reply":
+                c = msg.counters
+                self.admission.on_reply(msg.version, int(c.get("accepted_total", 0)), int(c.get("received", 0)))
+            elif msg.type == "eval_request":
+                self.eval_wanted = max(msg.version, self.eval_wanted or 0)
+            elif msg.type == "resend_status":
+                self._status("heartbeat")
+        self.counters["bad_messages"] = self._rejected()
+
+    def _rejected(self) -> int:
+        return sum(self.weights_rx.rejected.values()) + sum(self.control_rx.rejected.values())
+
+    def _status(self, kind: str) -> None:
+        status = Status(type=kind, server_id=self.server_id, version=self.engine.version,
+                        engine=self.engine_name, quant=self.scheme, running=len(self.running),
+                        queued=self.scorer.pending + len(self.outbox.pending), counters=dict(self.counters))
+        try:
+            self.control.send(status, flags=zmq.NOBLOCK)
+        except zmq.Again:  # the learner is away and the queue is full; the next heartbeat says the same
+            pass
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heartbeat >= HEARTBEAT_S:
+            self._last_heartbeat = now
+            self._status("heartbeat")
+        if now - self._last_log >= self._log_interval:
+            dt, c, old = now - self._last_log, self.counters, self._logged
+            log.info("groups/s %.2f tokens/s %.1f version %d running %d queued %d budget used %d/%d sent %d",
+                     (c["generated"] - old["generated"]) / dt, (c["tokens"] - old["tokens"]) / dt,
+                     self.engine.version, len(self.running), self.scorer.pending + len(self.outbox.pending),
+                     self.admission.used, self.admission.limit, c["sent"])
+            self._last_log, self._logged = now, dict(c)
+
+    def _wait_idle(self) -> None:
+        """Nothing to decode: sleep until a socket has input, the outbox can send, or a short timeout."""
+        poller = zmq.Poller()
+        poller.register(self.sockets.sub, zmq.POLLIN)
+        poller.register(self.sockets.dealer, zmq.POLLIN)
+        if self.outbox.pending:
+            poller.register(self.sockets.push, zmq.POLLOUT)
+        poller.poll(IDLE_WAIT_MS)
+
+
+def _details(r: RewardResult) -> dict[str, str]:
+    return {"status": r.status, "detail": r.detail} if r.detail else {"status": r.status}

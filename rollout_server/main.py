@@ -1,0 +1,120 @@
+"""qurl-rollout-server: build the engine, data, rewards and sockets from the config, then run the loop."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Optional
+
+import zmq
+from omegaconf import DictConfig
+
+from qurl import transport
+from qurl.cli import parse
+from qurl.config import get
+from qurl.data import DatasetError, PromptDataset
+from qurl.evaluate import load_eval_set
+from qurl.quant import scheme_for
+from qurl.rewards import RewardError, RewardPool
+from rollout_server.admission import Admission
+from rollout_server.engines import load_engine
+from rollout_server.loop import RolloutLoop, Sockets, stop_token_ids
+
+PROG = "qurl-rollout-server"
+TRAJECTORY_MAX_BYTES = 64 << 20  # a group: prompt + n responses, far below this
+CONTROL_MAX_BYTES = 1 << 20
+WEIGHTS_MAX_BYTES = 1 << 40  # a full push of a large model; the HMAC and shape checks still apply
+
+log = logging.getLogger("rollout_server")
+
+
+def _auto_endpoint(cfg: DictConfig) -> Optional[str]:
+    """One error line when an endpoint was left for the launcher to fill in."""
+    for name in ("trajectories", "weights", "control"):
+        if get(cfg, f"transport.{name}") == "auto":
+            return f"transport.{name}=auto: give an endpoint when starting this process by hand"
+    return None
+
+
+def open_sockets(cfg: DictConfig, server_id: str) -> Sockets:
+    """Connect PUSH (trajectories), SUB (weights) and DEALER (control, routing id = server id)."""
+    ctx = zmq.Context()
+    push = transport.connect(ctx, zmq.PUSH, get(cfg, "transport.trajectories"), max_bytes=TRAJECTORY_MAX_BYTES)
+    sub = transport.connect(ctx, zmq.SUB, get(cfg, "transport.weights"), max_bytes=WEIGHTS_MAX_BYTES, hwm=4)
+    control = get(cfg, "transport.control")
+    dealer = transport.connect(ctx, zmq.DEALER, control, max_bytes=CONTROL_MAX_BYTES, hwm=16)  # no stale heartbeat pile
+    dealer.disconnect(control)  # a routing id applies to later connections only
+    dealer.setsockopt(zmq.ROUTING_ID, server_id.encode())
+    dealer.connect(control)
+    return Sockets(ctx, push, sub, dealer)
+
+
+def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack) -> RolloutLoop:
+    """Tokenizer, prompts, engine, reward pool and sockets, wired into one loop; cleanup closes them."""
+    from transformers import AutoTokenizer
+
+    path = get(cfg, "model.path")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # a prompt must leave room in the KV cache for a full response
+    room = get(cfg, "rollout.max_seq_len") - get(cfg, "rollout.sampling.max_new_tokens")
+    if room < 1:
+        raise ValueError(f"rollout.max_seq_len={get(cfg, 'rollout.max_seq_len')} leaves no room for a prompt "
+                         f"before rollout.sampling.max_new_tokens={get(cfg, 'rollout.sampling.max_new_tokens')}")
+    max_prompt_len = min(get(cfg, "data.max_prompt_len"), room)
+    dataset = PromptDataset(list(get(cfg, "data.train_files")), tokenizer, max_prompt_len=max_prompt_len,
+                            instruction=get(cfg, "data.instruction"), seed=get(cfg, "run.seed"),
+                            shuffle=get(cfg, "data.shuffle"))
+    scheme = scheme_for(get(cfg, "rollout.quant"), get(cfg, "quant.fp8_granularity"))
+    engine = load_engine(path, engine=get(cfg, "rollout.engine"), quant=scheme, dtype=get(cfg, "rollout.dtype"),
+                         device=get(cfg, "rollout.device"), max_batch=get(cfg, "rollout.max_batch"),
+                         max_seq_len=get(cfg, "rollout.max_seq_len"))
+    pool = cleanup.enter_context(RewardPool(get(cfg, "reward.name"), workers=get(cfg, "reward.workers"),
+                                            timeout_s=get(cfg, "reward.timeout_s")))
+    sockets = open_sockets(cfg, server_id)
+    cleanup.callback(sockets.close)
+    loop = RolloutLoop(cfg, server_id=server_id, engine=engine, scheme=scheme, tokenizer=tokenizer, dataset=dataset,
+                       pool=pool, sockets=sockets, secret=get(cfg, "transport.secret").encode() or None,
+                       admission=Admission(get(cfg, "async.max_staleness"), get(cfg, "train.batch_prompts")),
+                       stop_ids=stop_token_ids(tokenizer, path),
+                       eval_set=load_eval_set(cfg, tokenizer, max_prompt_len))
+    cleanup.callback(loop.close)
+    log.info("ready: engine %s quant %s, %d prompts, pushing to %s", get(cfg, "rollout.engine"), scheme,
+             len(dataset), get(cfg, "transport.trajectories"))
+    return loop
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    cfg = parse(PROG, argv)
+    problem = _auto_endpoint(cfg)
+    if problem:
+        print(f"{PROG}: {problem}", file=sys.stderr)
+        return 2
+    server_id = f"rollout-{os.environ.get('QURL_SERVER_INDEX', '0')}-{os.getpid()}"
+    logging.basicConfig(level=get(cfg, "log.level").upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {server_id} %(levelname)s %(message)s")
+    stop = threading.Event()
+    caught: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        caught.append(signum)  # no logging here: the handler may interrupt a log call
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with contextlib.ExitStack() as cleanup:
+        try:
+            loop = build(cfg, server_id, cleanup)
+        except (DatasetError, RewardError, ValueError, OSError) as exc:
+            print(f"{PROG}: {' '.join(str(exc).split())}", file=sys.stderr)
+            return 1
+        loop.run(stop)
+        log.info("stopping on signal %s", caught[0] if caught else "?")
+    log.info("stopped: %s", loop.counters)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
