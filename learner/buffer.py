@@ -1,0 +1,149 @@
+"""Rank 0's trajectory buffer: pull scored groups, drop stale or uninformative ones (counted), assemble batches."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from qurl.algorithms import filter_groups
+from qurl.protocol import TrajectoryGroup
+from qurl.transport import Receiver
+
+log = logging.getLogger("learner")
+
+
+@dataclass
+class Batch:
+    """A batch as tensors, identical on every rank: prompt + response per sample, right padded."""
+
+    input_ids: torch.Tensor  # int64 [N, L]
+    prompt_len: torch.Tensor  # int64 [N]
+    total_len: torch.Tensor  # int64 [N]: prompt + response
+    behav_logp: torch.Tensor  # float32 [N, L]: the behaviour logprob of the token at each response position, else 0
+    rewards: torch.Tensor  # float32 [N], as scored by the server
+    group: torch.Tensor  # int64 [N]: 0..G-1, the samples of a group are contiguous
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group[-1]) + 1 if len(self.group) else 0
+
+
+def min_version(group: TrajectoryGroup) -> int:
+    """The oldest weight version that produced any token of the group."""
+    return min(int(s.versions.min()) for s in group.samples)
+
+
+def collate(groups: list[TrajectoryGroup], pad_id: int) -> Batch:
+    """Stack groups into padded tensors (samples of a group stay together, groups in the given order)."""
+    rows = [(g.prompt_ids, s) for g in groups for s in g.samples]
+    length = max(len(p) + len(s.token_ids) for p, s in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.int64)
+    behav = torch.zeros((len(rows), length), dtype=torch.float32)
+    prompt_len = torch.empty(len(rows), dtype=torch.int64)
+    total_len = torch.empty(len(rows), dtype=torch.int64)
+    for i, (prompt, s) in enumerate(rows):
+        p, t = len(prompt), len(prompt) + len(s.token_ids)
+        ids[i, :p] = torch.from_numpy(prompt.astype(np.int64))
+        ids[i, p:t] = torch.from_numpy(s.token_ids.astype(np.int64))
+        behav[i, p:t] = torch.from_numpy(np.array(s.logprobs, dtype=np.float32))
+        prompt_len[i], total_len[i] = p, t
+    rewards = torch.tensor([s.reward for _, s in rows], dtype=torch.float32)
+    group = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.samples], dtype=torch.int64)
+    return Batch(ids, prompt_len, total_len, behav, rewards, group)
+
+
+class TrajectoryBuffer:
+    """FIFO of groups received on the PULL socket; every group that is not used is counted by reason."""
+
+    def __init__(self, receiver: Receiver, *, batch_prompts: int, max_staleness: int, dynamic_sampling: bool,
+                 vocab_size: int) -> None:
+        self.receiver = receiver
+        self.batch_prompts = batch_prompts
+        self.max_staleness = max_staleness
+        self.dynamic_sampling = dynamic_sampling
+        self.vocab_size = vocab_size
+        self.groups: deque[TrajectoryGroup] = deque()
+        self.received = 0
+        self.received_from: Counter[str] = Counter()
+        self.used = 0
+        self.dropped: Counter[str] = Counter()  # stale, filter (all rewards equal), invalid
+        self.response_tokens = 0  # every response token received, used or not
+        self.last_arrival = time.monotonic()
+
+    @property
+    def accepted_total(self) -> int:
+        """A of the control replies: groups used or waiting in the buffer, over the whole run."""
+        return self.used + len(self.groups)
+
+    def counters(self) -> dict:
+        """The buffer's cursor: what a resumed learner continues counting from."""
+        return {"received": self.received, "received_from": dict(self.received_from), "used": self.used,
+                "dropped": dict(self.dropped), "response_tokens": self.response_tokens}
+
+    def restore(self, counters: dict) -> None:
+        """Continue the counts of a checkpoint (the groups that sat in the buffer are not kept; servers make new ones)."""
+        self.received = int(counters["received"])
+        self.received_from = Counter({k: int(v) for k, v in counters["received_from"].items()})
+        self.used = int(counters["used"])
+        self.dropped = Counter({k: int(v) for k, v in counters["dropped"].items()})
+        self.response_tokens = int(counters["response_tokens"])
+
+    def poll(self, timeout_ms: int, version: int) -> int:
+        """Take every group waiting on the socket (waiting up to timeout_ms for the first); return how many."""
+        n = 0
+        ready = self.receiver.sock.poll(timeout_ms)
+        while ready:
+            msg = self.receiver.recv(timeout_ms=0)  # None when the message was bad (logged and counted there)
+            if isinstance(msg, TrajectoryGroup):
+                self._add(msg, version)
+                n += 1
+            ready = self.receiver.sock.poll(0)
+        return n
+
+    def _add(self, group: TrajectoryGroup, version: int) -> None:
+        self.received += 1
+        self.received_from[group.server_id] += 1
+        self.response_tokens += sum(len(s.token_ids) for s in group.samples)
+        self.last_arrival = time.monotonic()
+        problem = self._invalid(group, version)
+        if problem:
+            self.dropped["invalid"] += 1
+            log.warning("dropped group %s from %s: %s", group.group_id, group.server_id, problem)
+        elif version - min_version(group) > self.max_staleness:
+            self.dropped["stale"] += 1
+        elif self.dynamic_sampling and self._uninformative(group):
+            self.dropped["filter"] += 1
+        else:
+            self.groups.append(group)
+
+    def _invalid(self, group: TrajectoryGroup, version: int) -> Optional[str]:
+        top = max(int(group.prompt_ids.max()), *(int(s.token_ids.max()) for s in group.samples))
+        if top >= self.vocab_size:
+            return f"token id {top} is outside the model's vocabulary ({self.vocab_size})"
+        newest = max(int(s.versions.max()) for s in group.samples)
+        if newest > version:
+            return f"made by weights version {newest}, newer than the learner's {version} (another run?)"
+        return None
+
+    @staticmethod
+    def _uninformative(group: TrajectoryGroup) -> bool:
+        rewards = torch.tensor([s.reward for s in group.samples], dtype=torch.float32)
+        _, n_dropped = filter_groups(rewards, torch.zeros(len(rewards), dtype=torch.int64))
+        return n_dropped > 0
+
+    def take(self, version: int) -> Optional[list[TrajectoryGroup]]:
+        """The oldest batch_prompts groups once enough fresh ones wait; groups now too stale are dropped first."""
+        fresh = deque(g for g in self.groups if version - min_version(g) <= self.max_staleness)
+        if len(fresh) < len(self.groups):
+            self.dropped["stale"] += len(self.groups) - len(fresh)
+            self.groups = fresh
+        if len(self.groups) < self.batch_prompts:
+            return None
+        batch = [self.groups.popleft() for _ in range(self.batch_prompts)]
+        self.used += len(batch)
+        return batch

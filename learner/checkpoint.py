@@ -1,0 +1,240 @@
+"""Checkpoints and the hf/ export.
+
+Layout of `checkpoints/step_N/` (written into `.tmp-step_N/`, renamed when complete):
+
+    model.safetensors  the full (unsharded) fp32 policy weights, Hugging Face names, invariant scaling
+                       still applied (exactly what the learner trains); a tied lm_head.weight is stored
+                       once, under model.embed_tokens.weight (metadata "aliases")
+    optim.safetensors  the full AdamW state, one tensor per "<param name>::<exp_avg|exp_avg_sq|step>"
+    rng_rank{R}.pt     that rank's torch RNG states (torch.save of tensors only)
+    state.json         step, version, the learner's counters (its data cursor), the lr schedule position
+    manifest.json      written last: format tag, model fingerprint, every file with its size
+
+Rank 0 gathers and writes full state dicts (get_model_state_dict / get_optimizer_state_dict with
+full_state_dict and cpu_offload) and on resume reads them and broadcasts to the other ranks, so a
+checkpoint loads with any rank count and only rank 0 needs the filesystem. Nothing is unpickled:
+safetensors, JSON, and torch.load(weights_only=True) for the RNG tensors. (torch.distributed.checkpoint
+would scale better past ~10B parameters but its metadata file is a pickle.) Optimizer hyper-parameters
+come from the config, the lr from the schedule position in state.json.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from qurl.quant.invariant_scaling import remove_invariant_scaling
+
+FORMAT = "qurl-learner-checkpoint/1"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt)$|.*\.index\.json$|^config\.json$")
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message is one line naming the folder and why."""
+
+
+def fingerprint(model: nn.Module) -> str:
+    """Hash of parameter names and global shapes: tells this model's checkpoints from a foreign one's."""
+    text = ";".join(f"{name}:{tuple(t.shape)}" for name, t in sorted(model.state_dict().items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the unsharded fp32 weights on rank 0's CPU (an empty dict elsewhere)."""
+    return get_model_state_dict(model, options=_GATHER)
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Tied parameters (lm_head.weight -> model.embed_tokens.weight): stored once, under the first name."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _flat_optim(osd: dict) -> dict[str, torch.Tensor]:
+    return {f"{name}::{key}": t.contiguous() for name, state in osd["state"].items() for key, t in state.items()}
+
+
+def _nested_optim(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in flat.items():
+        name, _, field = key.rpartition("::")
+        state.setdefault(name, {})[field] = t
+    return state
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _fsync_write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, keep: int) -> str:
+    """Collective: write checkpoints/step_N atomically (temp dir, manifest last, rename), keep the newest `keep`."""
+    rank = dist.get_rank()
+    final = os.path.join(root, f"step_{step}")
+    tmp = os.path.join(root, f".tmp-step_{step}")
+    weights = full_state_dict(model)
+    optim = get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        aliases = _aliases(model)
+        save_file({k: v.contiguous() for k, v in weights.items() if k not in aliases},
+                  os.path.join(tmp, "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
+        save_file(_flat_optim(optim), os.path.join(tmp, "optim.safetensors"))
+        _fsync_write(os.path.join(tmp, "state.json"), json.dumps(state, indent=1, sort_keys=True))
+        files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+        manifest = {"format": FORMAT, "step": step, "world_size": dist.get_world_size(),
+                    "fingerprint": fingerprint(model), "files": files}
+        _fsync_write(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1, sort_keys=True))
+        if os.path.exists(final):  # a rerun of the same step after a crash: the new one wins
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _prune(root, keep)
+    dist.barrier()
+    return final
+
+
+def step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every step_N folder under root, newest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name))
+             for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
+    return sorted(found, reverse=True)
+
+
+def _prune(root: str, keep: int) -> None:
+    for _, path in step_dirs(root)[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(root):
+        if name.startswith(".tmp-step_"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def check(path: str, model_fingerprint: str) -> dict:
+    """The manifest of a complete checkpoint of this model; CheckpointError (one line) otherwise."""
+    manifest_path = os.path.join(path, "manifest.json")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: incomplete (no manifest.json)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable manifest.json ({type(exc).__name__})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a qurl learner checkpoint (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    for name, size in manifest.get("files", {}).items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file) or os.path.getsize(file) != size:
+            raise CheckpointError(f"{path}: corrupt ({name} is missing or has the wrong size)")
+    if manifest.get("fingerprint") != model_fingerprint:
+        raise CheckpointError(f"{path}: written for a different model (parameter names or shapes differ from model.path)")
+    return manifest
+
+
+def find_latest(root: str, model_fingerprint: str, warn: Optional[Callable[[str], None]] = None) -> Optional[str]:
+    """The newest complete checkpoint of this model under root; each unusable newer folder costs one warning line."""
+    for _, path in step_dirs(root):
+        try:
+            check(path, model_fingerprint)
+            return path
+        except CheckpointError as exc:
+            if warn is not None:
+                warn(f"skipping checkpoint {exc}")
+    return None
+
+
+def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Collective: rank 0 reads `path` and broadcasts model and optimizer; each rank restores its RNG; returns state.json."""
+    weights: dict[str, torch.Tensor] = {}
+    flat: dict[str, torch.Tensor] = {}
+    error = ""
+    if dist.get_rank() == 0:
+        try:
+            weights = load_file(os.path.join(path, "model.safetensors"))
+            with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+                aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+            weights.update({name: weights[target] for name, target in aliases.items()})
+            flat = load_file(os.path.join(path, "optim.safetensors"))
+        except Exception as exc:  # safetensors raises several types for a damaged file
+            error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    flags = torch.tensor([1 if error else 0, 1 if flat else 0])
+    dist.broadcast(flags, src=0)
+    if flags[0].item():
+        raise CheckpointError(f"{path}: cannot read its weights: {error or 'see rank 0'}")
+    set_model_state_dict(model, weights, options=_SCATTER)
+    if flags[1].item():  # no state: no update was ever applied, and a fresh AdamW is exactly that
+        groups = get_optimizer_state_dict(model, optimizer, options=_GATHER).get("param_groups")
+        optim = {"state": _nested_optim(flat), "param_groups": groups} if dist.get_rank() == 0 else {}
+        set_optimizer_state_dict(model, optimizer, optim, options=_SCATTER)
+    rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
+    if os.path.isfile(rng_file):  # absent when resuming with more ranks than wrote it
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    with open(os.path.join(path, "state.json")) as f:
+        return json.load(f)
+
+
+def export_hf(state_dict: dict[str, torch.Tensor], model_path: str, out_dir: str,
+              scaling: Optional[tuple[float, tuple[str, ...]]]) -> str:
+    """Write the policy with invariant scaling removed as a Hugging Face folder (+ model.path's tokenizer files)."""
+    config = AutoConfig.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(state_dict, strict=True)
+    if scaling is not None:
+        remove_invariant_scaling(model, *scaling)
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for name in os.listdir(model_path):
+        src = os.path.join(model_path, name)
+        if os.path.isfile(src) and not _WEIGHT_FILES.match(name):
+            shutil.copy2(src, os.path.join(tmp, name))
+    old = out_dir.rstrip("/") + ".old"
+    if os.path.exists(out_dir):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,77 @@
+"""The learner's policy: a Hugging Face causal LM in fp32, invariant-scaled once, sharded with FSDP2."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+from qurl.quant.invariant_scaling import apply_invariant_scaling
+
+
+def invariant_scaling(cfg: DictConfig) -> Optional[tuple[float, tuple[str, ...]]]:
+    """(s, targets) when the rollout is quantized and s != 1, else None (scaling only helps the grid)."""
+    s = float(cfg.quant.invariant_scaling.s)
+    if cfg.rollout.quant == "none" or s == 1.0:
+        return None
+    return s, tuple(cfg.quant.invariant_scaling.targets)
+
+
+def load_hf(path: str, device: torch.device) -> nn.Module:
+    """The checkpoint at `path` in fp32 on `device`, without a KV cache (training never decodes)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config.use_cache = False
+    return model.to(device)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """model.model.layers of a Llama / Qwen2 / Qwen3-style causal LM."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"model.path: {type(model).__name__} has no decoder layers at model.model.layers")
+    return layers
+
+
+def shard(model: nn.Module, bf16: bool) -> nn.Module:
+    """FSDP2: one unit per decoder layer, the root holding embeddings, final norm and lm_head."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def build_policy(cfg: DictConfig, device: torch.device, trainable: bool = True) -> nn.Module:
+    """The trained policy (or, with trainable=False, the frozen KL reference): same scaling, same sharding."""
+    model = load_hf(cfg.model.path, device)
+    scaling = invariant_scaling(cfg)
+    if scaling is not None:
+        apply_invariant_scaling(model, *scaling)
+    if trainable and cfg.model.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    return shard(model, bf16=cfg.train.precision == "bf16")
+
+
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor, start: int, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) of tokens input_ids[:, start:], each predicted from its prefix: [B, T - start].
+
+    Right padding needs no attention mask: under the causal mask a real token never sees the pads after
+    it. Only the last T - start + 1 positions go through lm_head.
+    """
+    if start < 1:
+        raise ValueError(f"token_logprobs needs start >= 1 (a token needs a prefix), got {start}")
+    keep = input_ids.shape[1] - start + 1
+    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep).logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    targets = input_ids[:, start:].unsqueeze(-1)
+    return (logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1))

@@ -1,0 +1,154 @@
+"""Rank 0's weight push (PUB) and control channel (ROUTER), so that every server, late or restarted, runs current weights.
+
+The control channel is served by a thread so that heartbeats are answered during long train steps; the
+PUB socket is shared with it under a lock (a lock is the full memory barrier zmq asks for).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import zmq
+
+from qurl.protocol import Status, WeightPush, from_torch
+from qurl.quant import changed_fraction
+from qurl.transport import Receiver, Sender
+
+log = logging.getLogger("learner")
+
+REPUSH_INTERVAL_S = 2.0  # a lagging server gets the current weights again at most this often
+POLL_MS = 100
+SERVER_GONE_S = 30.0  # a server silent this long leaves the status line
+
+
+@dataclass
+class ServerInfo:
+    """What the last hello / heartbeat of one server said."""
+
+    version: int
+    running: int
+    queued: int
+    seen: float
+    counters: dict = field(default_factory=dict)
+    repushed_at: float = -float("inf")
+
+
+@dataclass
+class PushStats:
+    seconds: float
+    bytes: int
+    changed_frac: float
+
+
+class WeightSender:
+    """Publishes WeightPush messages and answers hello / heartbeat with (version, accepted_total, received)."""
+
+    def __init__(self, pub: Sender, control: Receiver, control_tx: Sender, scheme: str,
+                 counts: Callable[[str], tuple[int, int]], version: int = 0) -> None:
+        self.pub = pub
+        self.control = control
+        self.control_tx = control_tx
+        self.scheme = scheme
+        self.counts = counts  # server id -> (accepted_total, received from it)
+        self.version = version
+        self.servers: dict[str, ServerInfo] = {}
+        self.pushes = 0
+        self.repushes = 0
+        self._push: Optional[WeightPush] = None
+        self._codes: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="qurl-control", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def set_baseline(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The codes the servers start from (version 0), so the first push's changed_frac means something."""
+        self._codes = _codes(tensors)
+
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> PushStats:
+        """Send `tensors` (quantize_state_dict's output) as version `version`; remember them for late joiners."""
+        started = time.perf_counter()
+        push = WeightPush(version=version, scheme=self.scheme,
+                          tensors={name: from_torch(t) for name, t in tensors.items()})
+        codes = _codes(tensors)
+        changed = _changed_frac(self._codes, codes)
+        with self._lock:
+            self._push = push
+            self.version = version
+            self.pub.send(push)
+            self.pushes += 1
+        self._codes = codes
+        return PushStats(time.perf_counter() - started, sum(t.nbytes for t in tensors.values()), changed)
+
+    def status_line(self) -> str:
+        """'rollout-0-123 v3 running 8 queued 2, ...' for the servers heard from recently."""
+        now = time.monotonic()
+        live = [(sid, s) for sid, s in list(self.servers.items()) if now - s.seen < SERVER_GONE_S]
+        if not live:
+            return "no rollout server has said hello yet" if not self.servers else "no rollout server heard from for 30 s"
+        return ", ".join(f"{sid} v{s.version} running {s.running} queued {s.queued}" for sid, s in live)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                got = self.control.recv_routed(timeout_ms=POLL_MS)
+            except zmq.ZMQError:  # the context was closed under us at shutdown
+                return
+            if got is None:
+                continue
+            ident, msg = got
+            if isinstance(msg, Status):
+                self._answer(ident, msg)
+
+    def _answer(self, ident: bytes, msg: Status) -> None:
+        now = time.monotonic()
+        if msg.type == "bye":
+            self.servers.pop(msg.server_id, None)
+            return
+        if msg.type not in ("hello", "heartbeat", "resend_weights", "resend_status"):
+            return
+        info = self.servers.get(msg.server_id)
+        if info is None:
+            info = self.servers[msg.server_id] = ServerInfo(msg.version, msg.running, msg.queued, now)
+            log.info("rollout server %s says %s (engine %s, quant %s, version %d)",
+                     msg.server_id, msg.type, msg.engine, msg.quant, msg.version)
+        if msg.type != "resend_weights":
+            info.version, info.running, info.queued, info.seen = msg.version, msg.running, msg.queued, now
+            info.counters = dict(msg.counters)
+        accepted, received = self.counts(msg.server_id)
+        with self._lock:
+            version, push = self.version, self._push
+            reply = Status(type="reply", server_id=msg.server_id, version=version,
+                           counters={"accepted_total": accepted, "received": received})
+            try:
+                self.control_tx.send(reply, to=ident, flags=zmq.NOBLOCK)
+            except zmq.Again:  # the server is gone or not reading; its next heartbeat gets an answer
+                pass
+            lagging = msg.type == "resend_weights" or msg.version < version
+            if push is not None and lagging and now - info.repushed_at >= REPUSH_INTERVAL_S:
+                info.repushed_at = now
+                self.pub.send(push)
+                self.repushes += 1
+
+
+def _codes(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in tensors.items() if t.dtype in (torch.int8, torch.float8_e4m3fn)}
+
+
+def _changed_frac(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:
+    """Share of quantized codes that changed since the previous push, weighted by tensor size; 0 without codes."""
+    total = sum(t.numel() for name, t in new.items() if name in old)
+    if total == 0:
+        return 0.0
+    return sum(changed_fraction(old[name], t) * t.numel() for name, t in new.items() if name in old) / total

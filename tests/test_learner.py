@@ -1,0 +1,479 @@
+"""The learner as real processes on real sockets: FSDP2 on 2 gloo ranks trains on the demo model's own
+generations, pushes int8 weights (late joiners included), equals a 1-rank step, resumes exactly, exports hf/.
+
+The test plays the rollout server's part with real sockets: it generates groups with the embedded engine,
+PUSHes them, SUBscribes to the weights and says hello on the control channel.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import yaml
+import zmq
+from safetensors.torch import load_file
+
+from qurl import transport
+from qurl.data import PromptDataset
+from qurl.metrics import CONTRACT_KEYS
+from qurl.protocol import Sample, Status, TrajectoryGroup, WeightPush, to_torch
+from qurl.quant import dequantize_state_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS, N = 4, 4  # groups per batch, samples per group
+SERVER_ID = "test-server"
+TIMEOUT_S = 120
+
+
+def digit_reward(text: str, answer: str) -> float:
+    """Share of answer digits the response gets right in place: graded, so groups of a weak model still differ."""
+    text = text.strip()
+    return sum(a == b for a, b in zip(text, answer)) / max(len(answer), len(text), 1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def batches(demo_dir) -> list[list[TrajectoryGroup]]:
+    """Two batches of groups sampled by the int8 engine from the demo model, the first two of each with reward variance."""
+    from transformers import AutoTokenizer
+
+    from rollout_server.engines import GenRequest, load_engine
+
+    model = os.path.join(demo_dir, "model")
+    tok = AutoTokenizer.from_pretrained(model)
+    examples = PromptDataset(os.path.join(demo_dir, "train.jsonl"), tok, seed=0).take(12)
+    engine = load_engine(model, quant="int8", max_batch=64, max_seq_len=64)
+    results = engine.generate([GenRequest(prompt_ids=e.prompt_ids, n=N, max_new_tokens=8, temperature=1.0,
+                                          stop_token_ids=[tok.eos_token_id], seed=i) for i, e in enumerate(examples)])
+    groups = []
+    for i, (e, r) in enumerate(zip(examples, results)):
+        texts = tok.batch_decode([s.token_ids for s in r.samples], skip_special_tokens=True)
+        samples = tuple(Sample(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
+                               reward=digit_reward(t, e.answer), finish_reason=s.finish_reason)
+                        for s, t in zip(r.samples, texts))
+        groups.append(TrajectoryGroup(prompt_id=e.id, group_id=f"g{i}", server_id=SERVER_ID,
+                                      prompt_ids=np.asarray(e.prompt_ids, dtype=np.int32), samples=samples))
+    mixed = [g for g in groups if len({s.reward for s in g.samples}) > 1]
+    rest = [g for g in groups if g not in mixed]
+    assert len(mixed) >= 4, "sampled responses should differ in how many digits they get right"
+    return [mixed[:2] + (mixed[4:] + rest)[:2], mixed[2:4] + (mixed[4:] + rest)[2:4]]
+
+
+class Peer:
+    """The rollout server's three sockets, driven by the test."""
+
+    def __init__(self, endpoints: dict[str, str], server_id: str = SERVER_ID) -> None:
+        self.ctx = zmq.Context()
+        self.push = transport.Sender(transport.connect(self.ctx, zmq.PUSH, endpoints["trajectories"], max_bytes=1 << 20),
+                                     server_id)
+        self.sub = transport.Receiver(transport.connect(self.ctx, zmq.SUB, endpoints["weights"], max_bytes=1 << 30),
+                                      secret=None, max_bytes=1 << 30, kinds=("weight_push",))
+        dealer = transport.connect(self.ctx, zmq.DEALER, endpoints["control"], max_bytes=1 << 20)
+        self.control = transport.Sender(dealer, server_id)
+        self.replies = transport.Receiver(dealer, secret=None, max_bytes=1 << 20, kinds=("status",))
+        self.server_id = server_id
+
+    def hello(self, version: int = 0, kind: str = "hello") -> None:
+        self.control.send(Status(type=kind, server_id=self.server_id, version=version, engine="torch", quant="int8"))
+
+    def reply(self, proc: subprocess.Popen) -> Status:
+        """Say hello until the learner answers (it may still be starting)."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "the learner exited early"
+            self.hello()
+            msg = self.replies.recv(timeout_ms=500)
+            if msg is not None:
+                return msg
+        raise AssertionError("no reply on the control channel")
+
+    def send(self, groups: list[TrajectoryGroup]) -> None:
+        for g in groups:
+            self.push.send(g)
+
+    def weights(self, version: int, proc: subprocess.Popen, say_hello: bool = False) -> WeightPush:
+        """The first push of at least `version` (with say_hello: keep reporting version 0 as a late joiner does)."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:  # a push sent just before exit may still be on its way
+                deadline = min(deadline, time.monotonic() + 3)
+            if say_hello:
+                self.hello()
+            msg = self.sub.recv(timeout_ms=500)
+            if msg is not None and msg.version >= version:
+                return msg
+        raise AssertionError(f"no weight push of version {version}")
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def write_config(tmp: str, demo_dir: str, name: str, **extra) -> tuple[str, dict[str, str]]:
+    endpoints = {k: f"tcp://127.0.0.1:{free_port()}" for k in ("trajectories", "weights", "control")}
+    cfg = {
+        "run": {"name": name, "dir": os.path.join(tmp, name)},
+        "model": {"path": os.path.join(demo_dir, "model")},
+        "data": {"train_files": [os.path.join(demo_dir, "train.jsonl")]},
+        "rollout": {"quant": "int8", "n_samples": N, "sampling": {"temperature": 1.0, "max_new_tokens": 8}},
+        "algo": {"loss": "acr", "kl_coef": 0.01},
+        "quant": {"invariant_scaling": {"s": 1.5, "targets": ["qkv"]}},
+        "train": {"lr": 1e-4, "batch_prompts": PROMPTS, "mini_batches": 2, "steps": 2, "grad_clip": 1.0},
+        "async": {"max_staleness": 2},
+        "transport": endpoints,
+        "checkpoint": {"every": 1, "keep": 3},
+        "log": {"interval_s": 2.0},
+    }
+    for key, value in extra.items():
+        group, field = key.split("__")
+        cfg.setdefault(group, {})[field] = value
+    path = os.path.join(tmp, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path, endpoints
+
+
+def start(config: str, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    log = open(config + ".log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "learner.main", "--config", config, *overrides],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, config: str) -> None:
+    try:
+        code = proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = "timeout"
+    with open(config + ".log") as f:
+        log = f.read()
+    assert code == 0, f"learner exit {code}; log:\n{log[-3000:]}"
+
+
+def run_learner(tmp: str, demo_dir: str, batches, name: str, ranks: int) -> dict:
+    """Feed both batches to a learner that trains 2 steps; capture pushes and a late joiner's view."""
+    config, endpoints = write_config(tmp, demo_dir, name, cluster__learner_ranks=ranks)
+    proc = start(config)
+    peer = Peer(endpoints)
+    try:
+        first_reply = peer.reply(proc)
+        peer.send(batches[0])
+        push1 = peer.weights(1, proc)
+        late = Peer(endpoints, server_id="late-server")
+        late_push = late.weights(1, proc, say_hello=True)
+        late.close()
+        peer.send(batches[1])
+        push2 = peer.weights(2, proc)
+        finish(proc, config)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        peer.close()
+    return {"dir": os.path.join(tmp, name), "first_reply": first_reply, "push1": push1, "push2": push2,
+            "late_push": late_push}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, demo_dir, batches) -> dict:
+    return run_learner(str(tmp_path_factory.mktemp("learner")), demo_dir, batches, "two", ranks=2)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, demo_dir, batches) -> dict:
+    return run_learner(str(tmp_path_factory.mktemp("learner")), demo_dir, batches, "one", ranks=1)
+
+
+def ckpt(run: dict | str, step: int, what: str = "model") -> dict[str, torch.Tensor]:
+    folder = run["dir"] if isinstance(run, dict) else run
+    return load_file(os.path.join(folder, "checkpoints", f"step_{step}", f"{what}.safetensors"))
+
+
+def metrics(run: dict) -> list[dict]:
+    with open(os.path.join(run["dir"], "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_two_ranks_train_push_and_serve_late_joiners(two_ranks):
+    rows = metrics(two_ranks)
+    assert [r["step"] for r in rows] == [1, 2] and [r["version"] for r in rows] == [1, 2]
+    for row in rows:
+        missing = [k for k in CONTRACT_KEYS if k not in row]
+        assert not missing, f"metrics.jsonl lacks {missing}"
+        assert all(np.isfinite(row[k]) for k in ("loss/policy", "actor/grad_norm", "mismatch/kl_k3", "sync/seconds"))
+        assert row["sync/bytes"] > 0 and row["rollout/response_len_mean"] > 0
+    assert rows[1]["staleness/max"] == 1 and rows[0]["staleness/max"] == 0
+    assert all(0 < r["sync/changed_frac"] <= 1 for r in rows)  # every push moves some int8 codes
+    assert rows[1]["buffer/received"] == 2 * PROMPTS
+    assert os.listdir(os.path.join(two_ranks["dir"], "tensorboard"))
+    with open(os.path.join(two_ranks["dir"], "summary.json")) as f:
+        assert json.load(f)["version"] == 2
+    assert two_ranks["first_reply"].type == "reply" and two_ranks["first_reply"].version == 0
+
+    # the pushed int8 weights are the learner's scaled fp32 weights within half a quantization step
+    push = two_ranks["push2"]
+    assert push.version == 2 and push.scheme == "int8"
+    named = {k: to_torch(t.data, t.dtype).clone() for k, t in push.tensors.items()}
+    assert "lm_head.weight" not in named  # tied embeddings: the engine takes the embedding only
+    deq = dequantize_state_dict(named, "int8")
+    learner = ckpt(two_ranks, 2)
+    assert set(deq) == set(learner)
+    for name, w in deq.items():
+        if name.endswith("_proj.weight"):
+            bound = named[name + "_scale"] / 2 + 1e-7
+            assert ((w - learner[name]).abs() <= bound).all(), name
+        else:
+            assert torch.equal(w, learner[name]), name
+
+    # a server that joins late says hello with version 0 and gets the current weights without a new step
+    assert two_ranks["late_push"].version == 1
+
+
+def scaled_start(demo_dir: str) -> dict[str, torch.Tensor]:
+    """The demo model's weights with invariant scaling applied: the learner's version 0."""
+    from transformers import AutoModelForCausalLM
+
+    from qurl.quant.invariant_scaling import apply_invariant_scaling
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(demo_dir, "model"), dtype=torch.float32)
+    return apply_invariant_scaling(model, 1.5, ("qkv",)).state_dict()
+
+
+def test_one_and_two_ranks_take_the_same_step(one_rank, two_ranks, demo_dir):
+    one, two, start = ckpt(one_rank, 1), ckpt(two_ranks, 1), scaled_start(demo_dir)
+    assert set(one) == set(two) == set(start) - {"lm_head.weight"}
+    moved = max((one[k] - start[k]).abs().max().item() for k in one)
+    assert moved > 5e-5  # the step did something (Adam moves weights by about lr = 1e-4), so the comparison means something
+    for k in one:
+        torch.testing.assert_close(one[k], two[k], rtol=0, atol=1e-5, msg=k)
+    # Adam and clipping hide a gradient off by the rank count; the logged pre-clip norm and loss do not
+    row_one, row_two = metrics(one_rank)[0], metrics(two_ranks)[0]
+    for key in ("actor/grad_norm", "loss/policy", "loss/kl", "mismatch/kl_k3", "actor/clipfrac", "reward/mean"):
+        assert row_one[key] == pytest.approx(row_two[key], rel=1e-5, abs=1e-9), key
+
+
+def test_resume_continues_exactly(tmp_path, demo_dir, batches, one_rank):
+    config, endpoints = write_config(str(tmp_path), demo_dir, "resumed", checkpoint__every=0)
+    proc = start(config)
+    peer = Peer(endpoints)
+    try:
+        peer.reply(proc)
+        peer.send(batches[0])
+        peer.weights(1, proc)
+        proc.send_signal(signal.SIGTERM)  # stop while waiting for batch 2: final checkpoint, exit 0
+        finish(proc, config)
+    finally:
+        peer.close()
+    run_dir = os.path.join(str(tmp_path), "resumed")
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_1"]
+
+    proc = start(config, "run.resume=true")
+    peer = Peer(endpoints)
+    try:
+        assert peer.reply(proc).version == 1
+        assert peer.weights(1, proc, say_hello=True).version == 1  # re-pushed at once, before any new step
+        peer.send(batches[1])
+        finish(proc, config)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        peer.close()
+    for what in ("model", "optim"):
+        resumed, straight = ckpt(run_dir, 2, what), ckpt(one_rank, 2, what)
+        assert set(resumed) == set(straight)
+        for k in straight:
+            torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=1e-6, msg=f"{what} {k}")
+    with open(os.path.join(run_dir, "checkpoints", "step_2", "state.json")) as f:
+        resumed_state = json.load(f)
+    with open(os.path.join(one_rank["dir"], "checkpoints", "step_2", "state.json")) as f:
+        straight_state = json.load(f)
+    assert resumed_state == straight_state and resumed_state["version"] == 2
+    assert resumed_state["buffer"]["received"] == 2 * PROMPTS
+    assert [r["step"] for r in metrics({"dir": run_dir})] == [1, 2]
+
+    # a fresh start into a folder that holds a run would mix two runs: refused with one line
+    again = subprocess.run([sys.executable, "-m", "learner.main", "--config", config], cwd=ROOT,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert again.returncode == 1 and again.stderr.strip().splitlines()[-1].endswith(
+        "already holds a run; pass run.resume=true to continue it, or choose another run.dir")
+
+
+def test_hf_export_is_function_equal_to_the_scaled_learner(two_ranks, demo_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qurl.quant.invariant_scaling import apply_invariant_scaling
+
+    hf = os.path.join(two_ranks["dir"], "hf")
+    exported = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assert AutoTokenizer.from_pretrained(hf).eos_token_id is not None
+    learner = AutoModelForCausalLM.from_pretrained(os.path.join(demo_dir, "model"), dtype=torch.float32).eval()
+    missing, unexpected = learner.load_state_dict(ckpt(two_ranks, 2), strict=False)  # the scaled weights it trains
+    assert missing == ["lm_head.weight"] and not unexpected  # tied: stored once, as the embedding
+    gain = "model.layers.0.input_layernorm.weight"
+    assert not torch.allclose(exported.state_dict()[gain], learner.state_dict()[gain])  # scaling really differs
+    ids = torch.randint(3, exported.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = exported(ids).logits, learner(ids).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+    unscaled = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    apply_invariant_scaling(unscaled, 1.5, ("qkv",))
+    torch.testing.assert_close(unscaled.state_dict()[gain], learner.state_dict()[gain], rtol=1e-6, atol=0)
+
+
+@pytest.fixture
+def in_process(tmp_path, demo_dir):
+    """A one-rank process group in the test process, and a factory for Learners on it (sockets closed after)."""
+    import torch.distributed as dist
+
+    from learner.trainer import DistEnv, Learner
+    from qurl.config import load_config
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    made = []
+
+    def make(*overrides: str) -> Learner:
+        config, _ = write_config(str(tmp_path), demo_dir, f"in-process-{len(made)}")
+        cfg = load_config(config, ["algo.kl_coef=0", "log.tensorboard=false", *overrides])
+        made.append(Learner(cfg, DistEnv(0, 1, 0, torch.device("cpu"))))
+        return made[-1]
+
+    yield make
+    for learner in made:
+        learner.close()
+    dist.destroy_process_group()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def full_weights(learner) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}
+
+
+def test_a_nan_loss_skips_the_update_and_the_next_batch_trains(in_process, batches):
+    from learner.buffer import collate
+
+    learner = in_process("train.mini_batches=1")
+    batch = collate(batches[0], learner.pad_id)
+    bad = collate(batches[0], learner.pad_id)
+    bad.behav_logp[0, int(bad.prompt_len[0])] = float("nan")  # one response token: the protocol would refuse it
+    before = full_weights(learner)
+    updated, m = learner._train_step(bad)
+    assert not updated and learner.progress.skipped_updates == 1 and np.isnan(m["loss/policy"])
+    after = full_weights(learner)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in learner.model.parameters())
+    updated, m = learner._train_step(batch)
+    assert updated and np.isfinite(m["loss/policy"])
+    assert any(not torch.equal(before[k], v) for k, v in full_weights(learner).items())
+
+
+def test_bf16_mixed_precision_with_gradient_checkpointing_trains_fp32_masters(in_process, batches):
+    from learner.buffer import collate
+
+    learner = in_process("train.precision=bf16", "model.gradient_checkpointing=true")
+    before = full_weights(learner)
+    updated, m = learner._train_step(collate(batches[0], learner.pad_id))
+    assert updated and np.isfinite(m["loss/policy"]) and np.isfinite(m["actor/grad_norm"])
+    assert m["mismatch/kl_k3"] < 0.05  # bf16 proximal logprobs stay close to the int8 sampler's
+    after = full_weights(learner)
+    assert all(v.dtype == torch.float32 for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def toy_group(gid: str, rewards: list[float], version: int = 0, token: int = 5) -> TrajectoryGroup:
+    return TrajectoryGroup(prompt_id=gid, group_id=gid, server_id=SERVER_ID, prompt_ids=np.array([1, 2], np.int32),
+                           samples=tuple(Sample(token_ids=np.array([token, 6], np.int32),
+                                                logprobs=np.array([-0.5, -0.1], np.float32),
+                                                versions=np.array([version, version], np.int32),
+                                                reward=r, finish_reason="stop") for r in rewards))
+
+
+def test_buffer_counts_every_group_it_does_not_use():
+    from learner.buffer import TrajectoryBuffer, collate
+
+    ctx = zmq.Context()
+    try:
+        pull = transport.bind(ctx, zmq.PULL, "inproc://buffer", secret=None, max_bytes=1 << 20)
+        push = transport.Sender(transport.connect(ctx, zmq.PUSH, "inproc://buffer", max_bytes=1 << 20), SERVER_ID)
+        buffer = TrajectoryBuffer(transport.Receiver(pull, secret=None, max_bytes=1 << 20), batch_prompts=2,
+                                  max_staleness=1, dynamic_sampling=True, vocab_size=100)
+        for g in (toy_group("old", [0, 1], version=0), toy_group("flat", [1, 1], version=2),
+                  toy_group("alien", [0, 1], version=2, token=100), toy_group("a", [0, 1], version=2),
+                  toy_group("future", [0, 1], version=3)):
+            push.send(g)
+        push.sock.send_multipart([b"not a message"])
+        time.sleep(0.1)
+        assert buffer.poll(1000, version=2) == 5
+        assert buffer.dropped == {"stale": 1, "filter": 1, "invalid": 2}
+        assert sum(buffer.receiver.rejected.values()) == 1
+        assert buffer.take(version=2) is None  # one usable group, two needed
+        push.send(toy_group("b", [1, 0], version=2))
+        buffer.poll(1000, version=2)
+        assert buffer.accepted_total == 2
+        batch = buffer.take(version=3)  # "a" and "b" were made at version 2: staleness 1 is still allowed
+        assert [g.group_id for g in batch] == ["a", "b"] and buffer.used == 2 and buffer.accepted_total == 2
+        t = collate(batch, pad_id=0)
+        assert t.input_ids.tolist() == [[1, 2, 5, 6]] * 4 and t.group.tolist() == [0, 0, 1, 1]
+        assert t.behav_logp[0].tolist() == pytest.approx([0, 0, -0.5, -0.1])
+        push.send(toy_group("c", [1, 0], version=2))
+        push.send(toy_group("d", [1, 0], version=2))
+        buffer.poll(1000, version=3)
+        assert buffer.take(version=4) is None and buffer.dropped["stale"] == 3  # now 2 versions old
+        assert buffer.received_from == {SERVER_ID: 8} and buffer.received == 8
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_resume_skips_corrupt_and_foreign_checkpoints_with_one_line_each(one_rank, tmp_path, demo_dir):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from learner import checkpoint
+
+    root = tmp_path / "checkpoints"
+    good = os.path.join(one_rank["dir"], "checkpoints", "step_1")
+    for step in (1, 3, 4, 5):
+        shutil.copytree(good, root / f"step_{step}")
+    os.remove(root / "step_5" / "manifest.json")  # a crash before the manifest: incomplete
+    with open(root / "step_4" / "model.safetensors", "ab") as f:
+        f.write(b"junk")  # damaged after writing
+    manifest = json.loads((root / "step_3" / "manifest.json").read_text())
+    (root / "step_3" / "manifest.json").write_text(json.dumps({**manifest, "fingerprint": "another-model"}))
+    (root / "step_9").mkdir()  # some foreign folder
+    (root / "step_9" / "manifest.json").write_text("{}")
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(demo_dir, "model"))
+    assert checkpoint.fingerprint(model) == manifest["fingerprint"]  # rank count does not enter it
+    lines = []
+    assert checkpoint.find_latest(str(root), manifest["fingerprint"], warn=lines.append) == str(root / "step_1")
+    assert len(lines) == 4 and all("\n" not in line for line in lines)
+    for line, why in zip(lines, ("not a qurl learner checkpoint", "incomplete", "corrupt", "different model")):
+        assert why in line, line
+
+
+@pytest.mark.slow
+def test_learner_step_benchmark_quick(tmp_path):
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "learner_step.py"), "--quick", "--out", str(out)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=900)
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "learner_step" and set(result["machine"]) >= {"cpu", "cores", "torch", "python"}
+    rows = result["rows"]
+    assert {(r["ranks"], r["quant"]) for r in rows} == {(n, q) for n in (1, 2) for q in ("int8", "fp8", "none")}
+    for r in rows:
+        assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["push_bytes"] > 0 and r["repeats"] >= 1
+    by_quant = {r["quant"]: r["push_bytes"] for r in rows if r["ranks"] == 1}
+    assert by_quant["int8"] < by_quant["none"] and by_quant["fp8"] < by_quant["none"]
