@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow test-all setup
+.PHONY: demo test test-slow test-all test-sglang
 
 demo:
 	@bash scripts/setup.sh
@@ -20,3 +20,7 @@ test-slow:
 test-all:
 	@bash scripts/setup.sh test
 	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+test-sglang:  # CPU checks against the real sglang package (installed --no-deps into .venv-sglang)
+	bash scripts/setup_sglang_cpu.sh
+	.venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/test_sglang.py

@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# GPU check of the SGLang engine adapter (needs a CUDA GPU and `pip install -e '.[sglang]'`).
+# For each of none / fp8-block / int8 on a tiny random bf16 Qwen2 (every projection a multiple of 128):
+#   start one sglang.Engine (version 0 = the checkpoint, quantized by qurl.quant), generate greedy and n=4 samples,
+#   compare greedy logprobs with a teacher-forced transformers forward of the weights the engine should hold,
+#   refit to other weights (version 1) and compare again, refit back (version 2) and require the version-0 greedy
+#   tokens, and refit while a request is running (its per-token versions must go 2 -> 3, in order).
+# With 2+ GPUs it also checks the NCCL path (fp8-block): learner rank 0 on the last GPU broadcasts flattened buckets.
+# Prints one JSON object (design.md section 9); exits 0 only when every check passed.
+# Usage: bash benchmarks/gpu_check_sglang.sh [--quick] [--out FILE]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+script="$(mktemp --suffix=.py)"  # a file, not stdin: the NCCL check spawns a process that re-imports it
+trap 'rm -f "$script"' EXIT
+cat > "$script" <<'PYTHON'
+import argparse, json, multiprocessing as mp, os, platform, socket, sys, tempfile, time
+
+import torch
+import transformers
+
+from qurl import sglang_payload as payload
+from qurl.quant import dequantize_state_dict, quantize_state_dict
+from rollout_server.engines import GenRequest
+from rollout_server.engines.sglang_engine import SGLangEngine, expected_tensors
+
+SCHEMES = ("none", "fp8-block", "int8")
+SERVER = {"cuda_graph_max_bs_decode": 8}
+MEAN_GAP_LIMIT = {"none": 0.05, "fp8-block": 0.2, "int8": 0.2}  # the quantized engines also quantize activations
+# no EOS: samples end at max_new_tokens; initializer_range 0.2 makes logits peaked (std ~3), so wrong weights show
+CFG = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                               tie_word_embeddings=True, eos_token_id=None, bos_token_id=None, initializer_range=0.2)
+
+
+def random_weights(seed):
+    torch.manual_seed(seed)
+    return {k: v.to(torch.bfloat16) for k, v in transformers.Qwen2ForCausalLM(CFG).state_dict().items()
+            if k != "lm_head.weight"}
+
+
+def reference_logprobs(weights, prompt, tokens):
+    """Teacher-forced log_softmax(logits) of `tokens` after `prompt` (T = 1), bf16 on GPU."""
+    model = transformers.Qwen2ForCausalLM(CFG).to(torch.bfloat16)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in weights.items()}, strict=False)
+    model.tie_weights()
+    model = model.cuda().eval()
+    ids = torch.tensor([prompt + tokens], device="cuda")
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens, device="cuda")[:, None])[:, 0].tolist()
+
+
+def held(weights, scheme):
+    """The full-precision weights an engine holding quantize_state_dict(weights, scheme) computes with."""
+    if scheme == "none":
+        return weights
+    return dequantize_state_dict(quantize_state_dict(weights, scheme), scheme)
+
+
+def gaps(a, b):
+    """(max, mean) absolute difference of two logprob lists."""
+    d = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    return round(max(d), 4), round(sum(d) / len(d), 4)
+
+
+def learner_broadcast(port, world, weights_path):
+    """Learner rank 0 on the last GPU: join the update group and broadcast the buckets (NCCL)."""
+    torch.cuda.set_device(torch.cuda.device_count() - 1)
+    named = torch.load(weights_path)
+    group = payload.open_update_group("127.0.0.1", port, world, "qurl-weights")
+    payload.broadcast_buckets(payload.buckets(named, 1 << 20), group, "cuda")
+
+
+def check(scheme, path, w_a, w_b, prompt, max_new):
+    row = {"engine": "sglang", "scheme": scheme, "model_params": sum(v.numel() for v in w_a.values())}
+    t0 = time.perf_counter()
+    eng = SGLangEngine.from_pretrained(path, quant=scheme, dtype="bfloat16", device="cuda:0", max_batch=8,
+                                       max_seq_len=256, mem_fraction=0.3, server_args=SERVER, bucket_bytes=1 << 20)
+    row["startup_s"] = round(time.perf_counter() - t0, 2)
+    greedy = GenRequest(prompt_ids=prompt, n=1, max_new_tokens=max_new, temperature=0.0)
+    try:
+        t0 = time.perf_counter()
+        g0, sampled = eng.generate([greedy, GenRequest(prompt_ids=prompt, n=4, max_new_tokens=max_new)])
+        gen_s = time.perf_counter() - t0
+        row["tokens_per_s"] = round(sum(len(s.token_ids) for s in g0.samples + sampled.samples) / gen_s, 1)
+        s0 = g0.samples[0]
+        row["n_samples_ok"] = len(sampled.samples) == 4 and all(
+            len(s.logprobs) == len(s.token_ids) == len(s.versions) == max_new for s in sampled.samples)
+        row["v0_versions_ok"] = all(v == 0 for s in g0.samples + sampled.samples for v in s.versions)
+        row["logprob_gap_v0"] = gaps(s0.logprobs, reference_logprobs(held(w_a, scheme), prompt, s0.token_ids))
+
+        push = quantize_state_dict(w_b, scheme)
+        t0 = time.perf_counter()
+        eng.update_weights(push, 1)
+        row["refit_s"] = round(time.perf_counter() - t0, 3)
+        row["refit_bytes"] = sum(t.numel() * t.element_size() for t in push.values())
+        s1 = eng.generate([greedy])[0].samples[0]
+        row["v1_versions_ok"] = all(v == 1 for v in s1.versions) and eng.version == 1
+        row["logprob_gap_v1"] = gaps(s1.logprobs, reference_logprobs(held(w_b, scheme), prompt, s1.token_ids))
+        row["refit_changed_tokens_ok"] = s1.token_ids != s0.token_ids
+
+        eng.update_weights(quantize_state_dict(w_a, scheme), 2)
+        s2 = eng.generate([greedy])[0].samples[0]
+        row["round_trip_tokens_equal"] = s2.token_ids == s0.token_ids
+        row["round_trip_logprob_gap"] = gaps(s2.logprobs, s0.logprobs)
+        row["v2_versions_ok"] = all(v == 2 for v in s2.versions)
+
+        eng.add_request(GenRequest(prompt_ids=prompt, n=1, max_new_tokens=200, temperature=1.0), "long")
+        for _ in range(10):
+            eng.step()
+        eng.update_weights(push, 3)
+        done = []
+        while eng.has_work():
+            done += eng.step()
+        versions = done[0][2].versions
+        row["in_flight_versions"] = sorted(set(versions))
+        row["in_flight_versions_ok"] = versions == sorted(versions) and set(versions) == {2, 3}
+
+        if scheme == "fp8-block" and torch.cuda.device_count() >= 2:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            named = payload.named_tensors(quantize_state_dict(w_b, scheme), scheme)
+            weights_path = os.path.join(tempfile.mkdtemp(), "w.pt")
+            torch.save(named, weights_path)
+            world, offsets = payload.update_group_layout(1, 1)
+            proc = mp.get_context("spawn").Process(target=learner_broadcast, args=(port, world, weights_path))
+            proc.start()
+            eng.init_update_group("127.0.0.1", port, offsets[0], world)
+            t0 = time.perf_counter()
+            eng.receive_broadcast([payload.bucket_meta(b) for b in payload.buckets(named, 1 << 20)], 4)
+            row["nccl_refit_s"] = round(time.perf_counter() - t0, 3)
+            proc.join(60)
+            s4 = eng.generate([greedy])[0].samples[0]
+            row["nccl_tokens_equal"] = s4.token_ids == s1.token_ids and all(v == 4 for v in s4.versions)
+    finally:
+        eng.close()
+    ok_keys = [k for k in row if k.endswith(("_ok", "_equal"))]
+    mean_gap = max(row["logprob_gap_v0"][1], row["logprob_gap_v1"][1])
+    row["passed"] = all(row[k] for k in ok_keys) and mean_gap < MEAN_GAP_LIMIT[scheme]
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out")
+    args = p.parse_args()
+    torch.set_num_threads(4)
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check_sglang: no CUDA GPU")
+    import sglang
+
+    tmp = tempfile.mkdtemp()
+    w_a, w_b = random_weights(0), random_weights(1)
+    model = transformers.Qwen2ForCausalLM(CFG).to(torch.bfloat16)
+    model.load_state_dict(w_a, strict=False)
+    model.save_pretrained(tmp)
+    assert set(expected_tensors(tmp, "none")) == set(w_a), "checkpoint names differ from the pushed names"
+    prompt = [5, 17, 42, 99, 3, 250, 7]
+    rows = []
+    for scheme in SCHEMES:
+        try:
+            rows.append(check(scheme, tmp, w_a, w_b, prompt, 8 if args.quick else 24))
+        except Exception as exc:  # one scheme failing must not hide the others
+            rows.append({"engine": "sglang", "scheme": scheme, "passed": False,
+                         "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"})
+    out = {"benchmark": "gpu_check_sglang",
+           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                       "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                       "python": platform.python_version(), "sglang": sglang.__version__,
+                       "threads": torch.get_num_threads()},
+           "rows": rows}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+PYTHON
+"$PY" "$script" "$@"

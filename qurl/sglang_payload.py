@@ -1,0 +1,170 @@
+"""Weight payloads for SGLang engines: checked HF-named tensors, size-capped buckets, SGLang's flattened layout.
+
+Shared by the learner (which builds and sends) and the rollout server (which checks and forwards). Pure torch;
+only the serializer and process-group helpers import sglang, lazily, so this module loads without it.
+Facts from sglang 0.5.23: `FlattenedTensorBucket` lays tensors back to back as uint8 and refuses a tensor whose
+byte offset is not a multiple of its itemsize; `update_weights_from_tensor` takes one serialized payload per TP
+rank; `update_weights_from_distributed(load_format="flattened_bucket")` receives one uint8 broadcast per bucket.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from qurl.quant import is_quantized_linear
+
+FP8_BLOCK = 128
+SCALE_SUFFIX = {"none": None, "int8": "_scale", "fp8-block": "_scale_inv"}
+CODE_DTYPE = {"int8": torch.int8, "fp8-block": torch.float8_e4m3fn}
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+def check_scheme(scheme: str) -> None:
+    """SGLang refits block FP8 in place, INT8 through our loader, and full precision as is; nothing else."""
+    if scheme not in SCALE_SUFFIX:
+        raise ValueError(f"scheme {scheme!r} has no SGLang refit; use one of {', '.join(SCALE_SUFFIX)} "
+                         "(FP8 on SGLang is block 128x128: quant.fp8_granularity=block)")
+
+
+def scale_shape(scheme: str, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the scale SGLang keeps next to a quantized [N, K] weight."""
+    n, k = weight_shape
+    if scheme == "int8":
+        return (n, 1)
+    return (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
+
+
+def named_tensors(tensors: Mapping[str, torch.Tensor], scheme: str) -> Named:
+    """The (name, tensor) list SGLang loads for `scheme`, after checking codes, scales and their pairing."""
+    check_scheme(scheme)
+    suffix = SCALE_SUFFIX[scheme]
+    for name, t in tensors.items():
+        if suffix and name.endswith(suffix) and is_quantized_linear(name[: -len(suffix)]):
+            if name[: -len(suffix)] not in tensors:
+                raise ValueError(f"{name}: scale without its weight {name[: -len(suffix)]!r}")
+            continue
+        if not is_quantized_linear(name) or suffix is None:
+            continue
+        if t.dim() != 2 or t.dtype != CODE_DTYPE[scheme]:
+            raise ValueError(f"{name}: {scheme} weight must be 2-D {CODE_DTYPE[scheme]}, got {t.dtype} {tuple(t.shape)}")
+        scale = tensors.get(name + suffix)
+        want = scale_shape(scheme, tuple(t.shape))
+        if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != want:
+            got = "missing" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
+            raise ValueError(f"{name + suffix}: need float32 {want} for {scheme}, got {got}")
+    return list(tensors.items())
+
+
+def _units(named: Named) -> list[Named]:
+    """A quantized weight and its scale form one unit, so they always travel in the same bucket."""
+    position = {name: i for i, (name, _) in enumerate(named)}
+    owner: dict[str, str] = {}
+    for name, _ in named:
+        for suffix in ("_scale", "_scale_inv"):
+            if name.endswith(suffix) and name[: -len(suffix)] in position:
+                owner[name] = name[: -len(suffix)]
+    units: dict[str, Named] = {}
+    for name, t in named:
+        units.setdefault(owner.get(name, name), []).append((name, t))
+    return list(units.values())
+
+
+def buckets(named: Named, max_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Named]:
+    """Group tensors into buckets of at most `max_bytes` (a bigger unit goes alone), widest dtype first in each."""
+    if max_bytes < 1:
+        raise ValueError(f"bucket size must be >= 1 byte, got {max_bytes}")
+    out: list[Named] = []
+    current: Named = []
+    size = 0
+    for unit in _units(named):
+        unit_bytes = sum(t.numel() * t.element_size() for _, t in unit)
+        if current and size + unit_bytes > max_bytes:
+            out.append(current)
+            current, size = [], 0
+        current.extend(unit)
+        size += unit_bytes
+    if current:
+        out.append(current)
+    # itemsizes are powers of two, so widest-first keeps every offset a multiple of its itemsize
+    return [sorted(b, key=lambda item: -item[1].element_size()) for b in out]
+
+
+def bucket_meta(bucket: Named) -> tuple[list[str], list[str], list[list[int]]]:
+    """(names, dtype names, shapes) as update_weights_from_distributed takes them."""
+    return ([n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            [list(t.shape) for _, t in bucket])
+
+
+def flatten(bucket: Named) -> torch.Tensor:
+    """The bucket's bytes back to back in one uint8 tensor: the buffer a flattened-bucket receiver allocates."""
+    if not bucket:
+        raise ValueError("cannot flatten an empty bucket")
+    parts, offset = [], 0
+    for name, t in bucket:
+        if offset % t.element_size():
+            raise ValueError(f"{name}: byte offset {offset} is not a multiple of {t.dtype}'s itemsize; "
+                             "order a bucket widest dtype first (see buckets())")
+        parts.append(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        offset += parts[-1].numel()
+    return torch.cat(parts)
+
+
+def _prepare_reductions(bucket: Named) -> None:
+    """CUDA tensors need SGLang's patched reducers (device by UUID); with them active, CPU tensors cannot be pickled."""
+    from torch.multiprocessing import reductions
+
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    devices = {t.device.type for _, t in bucket}
+    if devices - {"cpu", "cuda"} or len(devices) != 1:
+        raise ValueError(f"a bucket's tensors must all be on cpu or all on cuda, got {sorted(devices)}")
+    if "cuda" in devices:
+        monkey_patch_torch_reductions()
+    elif hasattr(reductions, "_reduce_tensor_original"):
+        raise ValueError("SGLang's CUDA tensor reducers are active in this process and cannot pickle CPU tensors; "
+                         "serialize CPU buckets in a process that never sent CUDA tensors to SGLang")
+
+
+def serialize_named(bucket: Named, tp_size: int) -> list[bytes]:
+    """One payload per TP rank holding the bucket as (name, tensor) pairs (for load_format=None or a custom loader)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    _prepare_reductions(bucket)
+    return [MultiprocessingSerializer.serialize(list(bucket)) for _ in range(tp_size)]
+
+
+def serialize_flattened(bucket: Named, tp_size: int) -> list[bytes]:
+    """One payload per TP rank holding the bucket as SGLang's flattened bucket (load_format="flattened_bucket")."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    _prepare_reductions(bucket)
+    b = FlattenedTensorBucket(named_tensors=list(bucket))
+    payload = {"flattened_tensor": b.get_flattened_tensor(), "metadata": b.get_metadata()}
+    return [MultiprocessingSerializer.serialize(payload) for _ in range(tp_size)]
+
+
+def update_group_layout(replicas: int, tp_size: int) -> tuple[int, list[int]]:
+    """World size of the weight-update group (learner rank 0 + every replica's TP ranks) and each replica's rank offset."""
+    if replicas < 1 or tp_size < 1:
+        raise ValueError(f"need replicas >= 1 and tp_size >= 1, got {replicas} and {tp_size}")
+    return 1 + replicas * tp_size, [1 + r * tp_size for r in range(replicas)]
+
+
+def open_update_group(master_address: str, master_port: int, world_size: int, group_name: str,
+                      backend: str = "nccl"):
+    """Join as rank 0 the group that replicas join with init_weights_update_group(rank_offset, world_size)."""
+    from sglang.srt.utils import init_custom_process_group
+
+    return init_custom_process_group(backend=backend, init_method=f"tcp://{master_address}:{master_port}",
+                                     world_size=world_size, rank=0, group_name=group_name)
+
+
+def broadcast_buckets(bucket_list: Iterable[Named], group, device: torch.device | str) -> None:
+    """Send each bucket as one flattened broadcast from rank 0, in the order the replicas receive them."""
+    for bucket in bucket_list:
+        torch.distributed.broadcast(flatten(bucket).to(device), src=0, group=group)
