@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Optional
+from typing import Optional
 
 from omegaconf import DictConfig
 
@@ -26,16 +26,3 @@ def parse(prog: str, argv: Optional[list[str]] = None) -> DictConfig:
         print(to_yaml(cfg), end="")
         raise SystemExit(0)
     return cfg
-
-
-def _not_built(prog: str, what: str) -> Callable[[Optional[list[str]]], int]:
-    def main(argv: Optional[list[str]] = None) -> int:
-        parse(prog, argv)
-        print(f"{prog}: config is valid; the {what} is not built yet (see the open issues)", file=sys.stderr)
-        return 0
-    return main
-
-
-async_main = _not_built("qurl-async", "launcher")
-rollout_server_main = _not_built("qurl-rollout-server", "rollout server")
-learner_main = _not_built("qurl-learner", "learner")

@@ -1,0 +1,101 @@
+"""End-of-run report (design.md §6): summary.json and curves.png from metrics.jsonl."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Any, Optional
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """Parse metrics.jsonl, skipping a torn last line from a killed writer."""
+    rows = []
+    if not os.path.exists(path):
+        return rows
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _last(rows: list[dict], key: str) -> Optional[float]:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return values[-1] if values else None
+
+
+def _best(rows: list[dict], key: str) -> Optional[float]:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return max(values) if values else None
+
+
+def _first(rows: list[dict], key: str) -> Optional[float]:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return values[0] if values else None
+
+
+def write_summary(run_dir: str, config_yaml: str, wall_s: float, extra: Optional[dict] = None) -> dict:
+    """Write summary.json: final and best reward and accuracy, totals, wall time, config hash."""
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    summary: dict[str, Any] = {
+        "steps": int(_last(rows, "step") or 0),
+        "version": int(_last(rows, "version") or 0),
+        "wall_s": round(wall_s, 2),
+        "config_sha256": hashlib.sha256(config_yaml.encode()).hexdigest(),
+        "reward/final": _last(rows, "reward/mean"),
+        "reward/best": _best(rows, "reward/mean"),
+    }
+    for key in ("eval/acc_fp", "eval/acc_quant"):
+        summary[f"{key}/first"] = _first(rows, key)
+        summary[f"{key}/final"] = _last(rows, key)
+        summary[f"{key}/best"] = _best(rows, key)
+    tokens = sum(r.get("rollout/tokens", 0) for r in rows)
+    summary["totals"] = {
+        "response_tokens": tokens,
+        "dropped_stale": _last(rows, "buffer/dropped_stale"),
+        "skipped_steps": _last(rows, "train/skipped_steps"),
+        "sync_bytes": sum(r.get("sync/bytes", 0) for r in rows),
+    }
+    summary.update(extra or {})
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+PANELS = [
+    ("reward", ["reward/mean", "eval/acc_fp", "eval/acc_quant"]),
+    ("mismatch (behaviour vs proximal)", ["mismatch/kl_k3", "mismatch/kl_k1"]),
+    ("clipping", ["actor/clipfrac", "tis/truncated_frac", "acr/widened_frac"]),
+    ("throughput (response tokens/s)", ["rollout/tokens_per_s"]),
+]
+
+
+def plot_curves(run_dir: str) -> Optional[str]:
+    """Draw curves.png (reward and accuracy, mismatch KL, clip fractions, throughput) over steps."""
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    for ax, (title, keys) in zip(axes.flat, PANELS):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and "step" in r]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 20 else None, ms=3, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("learner step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    path = os.path.join(run_dir, "curves.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

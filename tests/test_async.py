@@ -1,0 +1,130 @@
+"""qurl-async end to end on the demo model: outputs, on-policy mode, and supervision under faults."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from qurl.metrics import CONTRACT_KEYS
+from qurl.report import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QURL_ASYNC = os.path.join(os.path.dirname(sys.executable), "qurl-async")
+SMALL = ["train.batch_prompts=4", "rollout.n_samples=4", "eval.max_problems=32", "checkpoint.every=2",
+         "log.interval_s=2", "reward.timeout_s=5"]
+
+
+def demo_overrides(demo_dir, run_dir, steps):
+    return [f"model.path={demo_dir}/model", f"data.train_files=[{demo_dir}/train.jsonl]",
+            f"data.eval_files=[{demo_dir}/heldout.jsonl]", f"run.dir={run_dir}", f"train.steps={steps}", *SMALL]
+
+
+def start(demo_dir, run_dir, steps, *extra):
+    cmd = [QURL_ASYNC, "--config", "configs/demo-cpu.yaml", *demo_overrides(demo_dir, run_dir, steps), *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finish(proc, timeout=300):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def descendants_alive(pgid: int) -> list[int]:
+    """Processes still in the launcher's session (children run in sessions of their own, so check by cmdline too)."""
+    alive = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == pgid or int(fields[4]) == pgid:
+                alive.append(int(pid))
+        except (OSError, IndexError):
+            continue
+    return alive
+
+
+def wait_for_step(run_dir, step, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        if any(r.get("step", 0) >= step for r in rows):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def test_demo_run_writes_every_output(demo_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    code, out = finish(start(demo_dir, run_dir, 4))
+    assert code == 0, out
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss/policy" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert set(CONTRACT_KEYS) <= set(row), set(CONTRACT_KEYS) - set(row)
+    evals = read_metrics(run_dir / "metrics.jsonl")
+    assert any("eval/acc_fp" in r for r in evals) and any("eval/acc_quant" in r for r in evals)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["exit_code"] == 0
+    assert summary["eval/acc_quant/first"] is not None and summary["eval/acc_quant/final"] is not None
+    assert (run_dir / "curves.png").stat().st_size > 10_000
+    assert any(f.startswith("events") for f in os.listdir(run_dir / "tensorboard"))
+    assert (run_dir / "checkpoints" / "step_4" / "manifest.json").exists()
+    assert {"learner.log", "rollout-0.log"} <= set(os.listdir(run_dir / "logs"))
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "hf") is not None
+
+
+def test_synchronous_mode_is_on_policy(demo_dir, tmp_path):
+    run_dir = tmp_path / "sync"
+    code, out = finish(start(demo_dir, run_dir, 3, "async.max_staleness=0"))
+    assert code == 0, out
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss/policy" in r]
+    assert len(rows) == 3 and all(r["staleness/max"] == 0 for r in rows)
+
+
+def test_killed_rollout_server_is_restarted(demo_dir, tmp_path):
+    run_dir = tmp_path / "kill"
+    proc = start(demo_dir, run_dir, 6)
+    wait_for_step(run_dir, 2)
+    pids = open(run_dir / "logs" / "pids.json").read()
+    os.kill(json.loads(pids)["rollout-0"], signal.SIGKILL)
+    code, out = finish(proc)
+    assert code == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["restarts"]["rollout-0"] == 1
+
+
+def test_sigint_is_a_clean_stop_and_resume_finishes(demo_dir, tmp_path):
+    run_dir = tmp_path / "int"
+    proc = start(demo_dir, run_dir, 40)
+    wait_for_step(run_dir, 2)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, out = finish(proc, timeout=120)
+    assert code == 0, out
+    assert not descendants_alive(proc.pid)
+    steps = sorted(int(d.split("_")[1]) for d in os.listdir(run_dir / "checkpoints") if d.startswith("step_"))
+    assert steps and steps[-1] >= 2
+    code, out = finish(start(demo_dir, run_dir, steps[-1] + 2, "run.resume=true"))
+    assert code == 0, out
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss/policy" in r]
+    assert rows[-1]["step"] == steps[-1] + 2
+
+
+@pytest.mark.slow
+def test_resume_after_learner_sigkill(demo_dir, tmp_path):
+    run_dir = tmp_path / "lk"
+    proc = start(demo_dir, run_dir, 30)
+    wait_for_step(run_dir, 3)
+    os.kill(json.loads(open(run_dir / "logs" / "pids.json").read())["learner"], signal.SIGKILL)
+    code, out = finish(proc)
+    assert code != 0 and "run.resume=true" in out
+    code, out = finish(start(demo_dir, run_dir, 6, "run.resume=true"))
+    assert code == 0, out
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
