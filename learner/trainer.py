@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from learner import checkpoint
 from learner.buffer import Batch, TrajectoryBuffer, collate, min_version
+from learner.evaluation import FpEvaluator
 from learner.model import build_policy, invariant_scaling, token_logprobs
 from learner.weight_sender import WeightSender
 from qurl import transport
@@ -43,6 +44,7 @@ TRAJECTORY_MAX_BYTES = 64 << 20
 CONTROL_MAX_BYTES = 1 << 20
 CLOSE_LINGER_MS = 2000  # at exit, give the last weight push and replies this long to leave
 WAIT, BATCH = 0, 1
+FINAL_EVAL_WAIT_S = 300.0  # how long the last step waits for a rollout server's quantized evaluation
 LOSS_METRICS = ("actor/clipfrac", "tis/truncated_frac", "acr/widened_frac", "acr/upper_max", "mismatch/kl_k1",
                 "mismatch/kl_k3", "mismatch/rho_max")
 
@@ -129,6 +131,7 @@ class Learner:
         self.engine_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.rollout.dtype]
         self.progress = Progress()
         self.saved_step = 0  # nothing to save before the first step
+        self.evaluator = FpEvaluator.from_config(cfg) if self.is_main else None
         problem = None
         if self.is_main:
             try:
@@ -167,6 +170,7 @@ class Learner:
                 metrics.update({"version": self.progress.version, "time/step_s": now - started,
                                 "train/skipped_steps": self.progress.skipped_updates, **self._memory()})
                 self.metrics.log(self.progress.step, metrics)
+                self._log_quant_evals()
                 last_mark = now
                 log.info("step %d version %d reward %.3f loss %.4g grad_norm %.3g kl_k3 %.2e step %.2fs sync %.2fs",
                          self.progress.step, self.progress.version, metrics["reward/mean"], metrics["loss/policy"],
@@ -177,6 +181,8 @@ class Learner:
                 self._checkpoint()
         if self.progress.step != self.saved_step:
             self._checkpoint()
+        if self.is_main and self.evaluator is not None and self.progress.step >= self.cfg.train.steps:
+            self._wait_for_quant_eval(self.progress.version)
         self._export()
         if self.is_main:
             write_summary(self.run_dir, to_yaml(self.cfg), time.monotonic() - self.started)
@@ -184,6 +190,8 @@ class Learner:
         return 0
 
     def close(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
         if self.is_main:
             self.sender.close()
             if hasattr(self, "metrics"):  # made once the resume point is known
@@ -495,6 +503,10 @@ class Learner:
         state = checkpoint.full_state_dict(self.model)
         if not self.is_main:
             return {}
+        if self._eval_due():
+            eval_started = time.perf_counter()
+            self._evaluate(state)
+            started += time.perf_counter() - eval_started  # sync/seconds counts the push alone
         tensors = self._engine_tensors(state)
         if not publish:
             self.sender.set_baseline(tensors)
@@ -502,6 +514,41 @@ class Learner:
         stats = self.sender.publish(self.progress.version, tensors)
         return {"sync/seconds": time.perf_counter() - started, "sync/bytes": stats.bytes,
                 "sync/changed_frac": stats.changed_frac}
+
+    # -- evaluation (rank 0) --------------------------------------------------------------------------
+
+    def _eval_due(self) -> bool:
+        """At the start, every eval.every steps, and after the last step."""
+        if self.evaluator is None:
+            return False
+        step, every = self.progress.step, self.cfg.eval.every
+        return step == 0 or step >= self.cfg.train.steps or bool(every and step % every == 0)
+
+    def _evaluate(self, state: dict[str, torch.Tensor]) -> None:
+        """eval/acc_fp now, on these weights; eval/acc_quant later, from a server's engine at this version."""
+        started = time.perf_counter()
+        acc = self.evaluator.accuracy(state)
+        self.metrics.log(self.progress.step, {"eval/acc_fp": acc, "eval/version": self.progress.version})
+        self.sender.request_eval(self.progress.version)
+        log.info("eval of version %d (full precision): %.4f on %d prompts in %.1f s", self.progress.version, acc,
+                 len(self.evaluator.eval_set), time.perf_counter() - started)
+
+    def _log_quant_evals(self) -> list[int]:
+        """Log the rollout servers' evaluations that arrived; return their versions."""
+        versions = []
+        for version, counters in self.sender.take_eval_results():
+            self.metrics.log(self.progress.step, {"eval/acc_quant": counters.get("acc"), "eval/version": version})
+            log.info("eval of version %d (rollout engine, %s): %.4f", version, self.scheme, counters.get("acc", 0.0))
+            versions.append(version)
+        return versions
+
+    def _wait_for_quant_eval(self, version: int) -> None:
+        deadline = time.monotonic() + FINAL_EVAL_WAIT_S
+        while time.monotonic() < deadline:
+            if any(v >= version for v in self._log_quant_evals()):
+                return
+            time.sleep(0.2)
+        log.warning("no rollout server evaluated version %d within %.0f s", version, FINAL_EVAL_WAIT_S)
 
     def _checkpoint(self) -> None:
         state = {"step": self.progress.step, "version": self.progress.version,

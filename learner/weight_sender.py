@@ -59,6 +59,8 @@ class WeightSender:
         self.pushes = 0
         self.repushes = 0
         self._push: Optional[WeightPush] = None
+        self._eval_wanted: Optional[int] = None  # handed to the next server that checks in
+        self._eval_results: list[tuple[int, dict]] = []
         self._codes: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -91,6 +93,17 @@ class WeightSender:
         self._codes = codes
         return PushStats(time.perf_counter() - started, sum(t.nbytes for t in tensors.values()), changed)
 
+    def request_eval(self, version: int) -> None:
+        """Ask one rollout server to evaluate `version` (or newer) with its quantized engine."""
+        with self._lock:
+            self._eval_wanted = version
+
+    def take_eval_results(self) -> list[tuple[int, dict]]:
+        """(version, counters with `acc`) of every eval_result received since the last call."""
+        with self._lock:
+            out, self._eval_results = self._eval_results, []
+        return out
+
     def status_line(self) -> str:
         """'rollout-0-123 v3 running 8 queued 2, ...' for the servers heard from recently."""
         now = time.monotonic()
@@ -116,6 +129,10 @@ class WeightSender:
         if msg.type == "bye":
             self.servers.pop(msg.server_id, None)
             return
+        if msg.type == "eval_result":
+            with self._lock:
+                self._eval_results.append((msg.version, dict(msg.counters)))
+            return
         if msg.type not in ("hello", "heartbeat", "resend_weights", "resend_status"):
             return
         info = self.servers.get(msg.server_id)
@@ -135,6 +152,13 @@ class WeightSender:
                 self.control_tx.send(reply, to=ident, flags=zmq.NOBLOCK)
             except zmq.Again:  # the server is gone or not reading; its next heartbeat gets an answer
                 pass
+            if self._eval_wanted is not None and msg.type in ("hello", "heartbeat"):
+                request = Status(type="eval_request", server_id=msg.server_id, version=self._eval_wanted)
+                try:
+                    self.control_tx.send(request, to=ident, flags=zmq.NOBLOCK)
+                    self._eval_wanted = None
+                except zmq.Again:
+                    pass
             lagging = msg.type == "resend_weights" or msg.version < version
             if push is not None and lagging and now - info.repushed_at >= REPUSH_INTERVAL_S:
                 info.repushed_at = now

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -202,3 +204,11 @@ def test_sum_steps_prepare_runs(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "demo" / "heldout.jsonl").read_text().splitlines()]
     assert len(rows) == 512 and rows[0]["problem"].count("+") == 3
     assert info["base_acc_heldout"] > 0.0
+
+
+def test_cached_cli_answers_without_importing_torch(demo_dir: Path) -> None:
+    code = ("import sys; from qurl.demo.prepare import main; main(['--out', sys.argv[1]]); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code, str(demo_dir)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "(cached)" in out.stdout and "base greedy held-out accuracy" in out.stdout

@@ -26,16 +26,20 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import transformers
 from tqdm import tqdm
-from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from qurl.demo import task as tasks
 from qurl.demo.tokenizer import IM_END, PAD, save_tokenizer, train_tokenizer
 from qurl.rewards import arith_reward
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+# torch and transformers are imported inside the functions that build or evaluate, so that a
+# cached `qurl-prepare-demo` answers in a fraction of a second instead of paying their import.
 RECIPE_VERSION = 1  # bump when the code changes what a recipe produces
 
 
@@ -75,6 +79,17 @@ def default_root(task: str = "add") -> Path:
     return base if task == "add" else base.with_name(f"{base.name}-{task}")
 
 
+def default_threads() -> int:
+    """Torch threads for the warm start: every usable core unless other work already keeps them busy.
+
+    Measured on a shared 2-core machine: with other jobs running, two OpenMP threads made a step 2-9x
+    slower than one thread (they wait on each other at every barrier), so a busy machine gets fewer.
+    """
+    cores = len(os.sched_getaffinity(0))
+    load = os.getloadavg()[0]
+    return cores if load < cores / 2 else max(1, int(cores - load))
+
+
 def read_info(root: str | Path) -> dict | None:
     """prepare.json of a finished demo folder, or None when there is none."""
     path = Path(root) / "prepare.json"
@@ -90,12 +105,13 @@ def chat_prompts(tokenizer: PreTrainedTokenizerBase, problems: list[str]) -> lis
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-@torch.no_grad()
 def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, problems: list[str],
                     answers: list[str], batch_size: int = 256, max_new_tokens: int = 64) -> float:
     """Fraction of problems whose greedy response earns the arith reward (exact integer match)."""
     if len(problems) != len(answers) or not problems:
         raise ValueError(f"problems/answers: need equal non-zero lengths, got {len(problems)} and {len(answers)}")
+    import torch
+
     was_training = model.training
     model.eval()
     eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
@@ -106,8 +122,9 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=pad)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
         correct += sum(arith_reward(t, a) for t, a in zip(texts, answers[i:i + batch_size]))
     model.train(was_training)
@@ -117,6 +134,8 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
 def _sft_tensors(tokenizer: PreTrainedTokenizerBase,
                  examples: list[tasks.Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids, labels masked to the response (+ end of turn), and lengths."""
+    import torch
+
     eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
     prompts = chat_prompts(tokenizer, [e.problem for e in examples])
     responses = tokenizer([e.response for e in examples], add_special_tokens=False)["input_ids"]
@@ -138,6 +157,10 @@ def _write_jsonl(path: Path, examples: list[tasks.Example]) -> None:
 
 def _build(out: Path, recipe: Recipe, progress: bool) -> dict:
     """Write the whole demo into out (an empty folder) and return its prepare.json content."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
     start = time.perf_counter()
     torch.manual_seed(recipe.seed)
     train = tasks.make_split(recipe.task, "train", recipe.train_size, recipe.seed)
@@ -227,12 +250,14 @@ def prepare(root: str | Path | None = None, recipe: Recipe = Recipe(), threads: 
     info = read_info(root)
     if info is not None and info.get("fingerprint") == recipe.fingerprint():
         return info
+    import torch
+
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = root.parent / f".{root.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     caller_threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
+        torch.set_num_threads(threads or default_threads())
         info = _build(tmp, recipe, progress)
         done = read_info(root)
         if done is not None and done.get("fingerprint") == recipe.fingerprint():
@@ -266,10 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=Recipe.max_steps, help="warm-start step limit")
     p.add_argument("--target-acc", type=float, default=Recipe.target_acc,
                    help="stop the warm start once dev greedy accuracy reaches this")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: all usable cores, fewer when the machine is busy)")
     args = p.parse_args(argv)
     if args.max_steps < 1:
         p.error(f"--max-steps: must be >= 1, got {args.max_steps}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads: must be >= 1, got {args.threads}")
     if not 0.0 < args.target_acc <= 1.0:
         p.error(f"--target-acc: must be in (0, 1], got {args.target_acc}")
     recipe = Recipe(task=args.task, seed=args.seed, max_steps=args.max_steps, target_acc=args.target_acc)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]
@@ -57,6 +60,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 384) -> Tokenizer:
 
 def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
     """The transformers tokenizer: Qwen chat template, <|im_end|> ends a turn, <|endoftext|> pads."""
+    from transformers import PreTrainedTokenizerFast  # heavy; callers that only read names skip it
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, unk_token=None, bos_token=None,
         additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE, padding_side="left",
