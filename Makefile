@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 demo:
 	@bash scripts/setup.sh
 	$(BIN)/qurl-prepare-demo
-	$(BIN)/qurl-async --config configs/demo-cpu.yaml
+	$(BIN)/qurl-async --config configs/demo-cpu.yaml run.name=demo-cpu-$$(date +%Y%m%d-%H%M%S)
 
 test:
 	@bash scripts/setup.sh test
