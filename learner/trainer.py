@@ -124,6 +124,8 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         hf_config = self.model.config
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.dropout_free = not getattr(hf_config, "attention_dropout", 0.0) and all(
+            m.p == 0 for m in self.model.modules() if isinstance(m, torch.nn.Dropout))
         pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else hf_config.eos_token_id
         self.pad_id = int(pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
         self.temperature = float(cfg.rollout.sampling.temperature)  # 0 (greedy) means unscaled logits
@@ -409,9 +411,12 @@ class Learner:
         advantages, metrics = self._advantages(batch)
         plan, totals = self._plan(batch, advantages)
         temp = self.temperature
+        # one mini-batch of a dropout-free model: the first update's own forward is the proximal policy
+        reuse_prox = len(plan) == 1 and self.dropout_free
         self.model.eval()
         with torch.no_grad():
-            prox = [[token_logprobs(self.model, m.input_ids, m.start, temp) for m in mini] for mini in plan]
+            prox = None if reuse_prox else [[token_logprobs(self.model, m.input_ids, m.start, temp) for m in mini]
+                                            for mini in plan]
             ref = ([[token_logprobs(self.reference, m.input_ids, m.start, temp) for m in mini] for mini in plan]
                    if self.reference is not None else None)
         self.model.train()
@@ -428,7 +433,7 @@ class Learner:
             finite, pg_sum, kl_sum = True, 0.0, 0.0
             for j, m in enumerate(mini):
                 logp = token_logprobs(self.model, m.input_ids, m.start, temp)
-                loss, lm = policy_loss(logp, prox[i][j], m.behav_logp, m.advantages, m.mask, mode=algo.loss,
+                loss, lm = policy_loss(logp, logp.detach() if reuse_prox else prox[i][j], m.behav_logp, m.advantages, m.mask, mode=algo.loss,
                                        eps_low=algo.eps_low, eps_high=algo.eps_high, tis_cap=algo.tis_cap,
                                        agg=algo.loss_agg, dual_clip=algo.dual_clip)
                 local = m.tokens if token_mean else int(m.mask.any(-1).sum())

@@ -380,6 +380,21 @@ def test_a_nan_loss_skips_the_update_and_the_next_batch_trains(in_process, batch
     assert any(not torch.equal(before[k], v) for k, v in full_weights(learner).items())
 
 
+def test_one_mini_batch_reuses_its_forward_as_the_proximal_policy(in_process, batches):
+    from learner.buffer import collate
+
+    reused, separate = in_process("train.mini_batches=1"), in_process("train.mini_batches=1")
+    separate.dropout_free = False  # forces the separate no-grad proximal pass
+    assert reused.dropout_free
+    batch = collate(batches[0], reused.pad_id)
+    _, m_reused = reused._train_step(batch)
+    _, m_separate = separate._train_step(batch)
+    for key in ("loss/policy", "actor/grad_norm", "mismatch/kl_k3", "mismatch/rho_max"):
+        assert m_reused[key] == pytest.approx(m_separate[key], rel=1e-5, abs=1e-7), key
+    a, b = full_weights(reused), full_weights(separate)
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+
+
 def test_bf16_mixed_precision_with_gradient_checkpointing_trains_fp32_masters(in_process, batches):
     from learner.buffer import collate
 
