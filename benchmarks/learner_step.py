@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ import zmq
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import machine_info  # noqa: E402  (benchmarks/common.py)
 from qurl import transport  # noqa: E402
 from qurl.demo.prepare import Recipe, default_root, read_info  # noqa: E402
 from qurl.protocol import Sample, Status, TrajectoryGroup  # noqa: E402
@@ -39,18 +39,6 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             intermediate_size=128, vocab_size=256, tie_word_embeddings=True)
 # model -> (prompts per batch, samples per prompt, prompt tokens, response tokens)
 WORKLOADS = {"demo": (16, 8, 16, 8), "qwen2-150m": (2, 4, 32, 64), "tiny": (4, 4, 16, 16)}
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__,
-            "python": platform.python_version()}
 
 
 def free_port() -> int:

@@ -16,7 +16,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import time
@@ -25,32 +24,13 @@ import numpy as np
 import torch
 import zmq
 
+from common import machine_info  # benchmarks/common.py
 from qurl import protocol, transport
 from qurl.protocol import Sample, TrajectoryGroup, WeightPush, WireTensor
 
 SECRET = b"wire-benchmark-secret"
 MAX_BYTES = 1 << 31
 TORCH_THREADS = 1
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(),
-        "torch_threads": TORCH_THREADS,
-    }
 
 
 def trajectory_group(rng: np.random.Generator, samples: int, tokens: int) -> TrajectoryGroup:
@@ -239,7 +219,7 @@ def run(quick: bool) -> dict:
         raw = pick(case, "raw_zmq", False)[key]
         ratios[f"{case}_protocol_vs_raw"] = pick(case, "protocol", False)[key] / raw
         ratios[f"{case}_protocol_hmac_vs_raw"] = pick(case, "protocol", True)[key] / raw
-    return {"benchmark": "wire", "machine": machine(), "quick": quick, "rows": rows,
+    return {"benchmark": "wire", "machine": machine_info(pyzmq=zmq.__version__), "quick": quick, "rows": rows,
             "ratios": ratios}
 
 
