@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -23,6 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info  # noqa: E402  (benchmarks/common.py)
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 FULL = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
@@ -40,19 +41,6 @@ OWN = {
     "fp8-channel+bf16": ("fp8-channel", "bfloat16"),  # the torch._scaled_mm path on CUDA
 }
 HF = {"hf-fp32": torch.float32, "hf-bf16": torch.bfloat16}
-
-
-def machine_info() -> dict:
-    """What the numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__,
-            "python": platform.python_version()}
 
 
 def build_model(path: str, quick: bool) -> int:
@@ -129,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
+    ap.add_argument("--rl-repeats", type=int, default=None, help="repeats of the RL workload (default: --repeats)")
     ap.add_argument("--new-tokens", type=int, default=None, help="decode tokens per sequence (default 64)")
     ap.add_argument("--batches", default=None, help="comma-separated decode batch sizes (default 1,16,64)")
     ap.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join([*OWN, *HF])}"
@@ -140,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     q = args.quick
     repeats = args.repeats or (1 if q else 3)
+    rl_repeats = args.rl_repeats or repeats
     new_tokens = args.new_tokens or (4 if q else 64)
     batches = [int(b) for b in (args.batches or ("1,4" if q else "1,16,64")).split(",")]
     # on CPU fp8 is a correctness path (~0.5 s per step to dequantize the weights): ask for it with --configs
@@ -193,8 +183,10 @@ def main(argv: list[str] | None = None) -> dict:
                 runs[("rl", mode)] = (row, fn)
         times: dict[tuple, list[float]] = {k: [] for k in runs}
         peak: dict[tuple, float] = {}
-        for _ in range(repeats):
+        for i in range(max(repeats, rl_repeats)):
             for key, (row, fn) in runs.items():
+                if i >= (rl_repeats if row["workload"] == "rl" else repeats):
+                    continue
                 if args.device == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 times[key].append(timed(fn, args.device))
@@ -206,11 +198,15 @@ def main(argv: list[str] | None = None) -> dict:
     for key, (row, _) in runs.items():
         tokens = row["batch"] * row["new_tokens"] if row["workload"] == "decode" else sum(lengths)
         seconds = statistics.median(times[key])
-        rows.append({**row, "tokens": tokens, "seconds": round(seconds, 4),
-                     "tokens_per_s": round(tokens / seconds, 2), "repeats": repeats,
+        fastest = min(times[key])
+        rows.append({**row, "tokens": tokens, "seconds": round(seconds, 4), "seconds_min": round(fastest, 4),
+                     "tokens_per_s": round(tokens / seconds, 2), "tokens_per_s_best": round(tokens / fastest, 2),
+                     "repeats": len(times[key]),
                      **({"peak_gpu_mb": round(peak[key], 1)} if key in peak else {})})
     result = {"benchmark": "rollout_throughput", "machine": machine_info(), "rows": rows,
-              "ratios": ratios(rows, 4 if q else 16)}
+              "ratios": ratios(rows, 4 if q else 16),
+              # from each row's fastest repeat: on a shared machine, the least disturbed view
+              "ratios_best": ratios(rows, 4 if q else 16, "tokens_per_s_best")}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
@@ -219,14 +215,14 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def ratios(rows: list[dict], batch: int) -> dict:
+def ratios(rows: list[dict], batch: int, measure: str = "tokens_per_s") -> dict:
     """Throughput ratios between rows of this run, at decode batch `batch` and on the RL workload."""
     tps = {}
     for r in rows:
         if r["workload"] == "decode" and r["batch"] == batch:
-            tps[r["config"]] = r["tokens_per_s"]
+            tps[r["config"]] = r[measure]
         elif r["workload"] == "rl":
-            tps[r["batching"]] = r["tokens_per_s"]
+            tps[r["batching"]] = r[measure]
     pairs = [("int8", "fp32"), ("int8", "bf16"), ("int8+bf16", "fp32"), ("int8+bf16", "bf16"), ("bf16", "fp32"),
              ("fp8", "fp32"), ("fp8-channel+bf16", "bf16"), ("fp32", "hf-fp32"), ("bf16", "hf-bf16"),
              ("int8", "hf-fp32"), ("int8+bf16", "hf-bf16"),

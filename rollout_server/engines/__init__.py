@@ -40,6 +40,19 @@ class GenResult:
     samples: list[Sample]
 
 
+def run_to_completion(engine, requests: list[GenRequest]) -> list[GenResult]:
+    """`generate` of every engine: drive its add_request/step API until each request has all n samples."""
+    if engine.has_work():
+        raise RuntimeError("generate() needs an idle engine; drive add_request()/step() instead")
+    out: list[list[Sample | None]] = [[None] * req.n for req in requests]
+    for i, req in enumerate(requests):
+        engine.add_request(req, i)
+    while engine.has_work():
+        for rid, index, sample in engine.step():
+            out[rid][index] = sample
+    return [GenResult(samples=s) for s in out]
+
+
 def load_engine(
     model_path: str,
     engine: str = "torch",

@@ -46,7 +46,8 @@ class ModelConfig:
             c = json.load(f)
         model_type = c.get("model_type")
         if model_type not in MODEL_TYPES:
-            raise ValueError(f"unsupported architecture {model_type!r} in {cfg_path}; supported: {', '.join(MODEL_TYPES)}")
+            supported = ", ".join(MODEL_TYPES)
+            raise ValueError(f"unsupported architecture {model_type!r} in {cfg_path}; supported: {supported}")
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {c['hidden_act']!r} in {cfg_path}; supported: silu")
         if c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or []):
@@ -76,7 +77,8 @@ class ModelConfig:
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the decoder reads from the checkpoint, with its shape."""
-        hidden, q, kv, inter = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        hidden, inter = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shapes = {"model.embed_tokens.weight": (self.vocab_size, hidden), "model.norm.weight": (hidden,)}
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, hidden)
@@ -84,13 +86,14 @@ class ModelConfig:
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-            projs = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
-                     "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
-                     "mlp.down_proj": (hidden, inter)}
+            projs = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden),
+                     "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, q),
+                     "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
             for name, shape in projs.items():
                 shapes[p + name + ".weight"] = shape
                 attn = name.startswith("self_attn")
-                if (attn and self.attention_bias and (name != "self_attn.o_proj" or o_bias)) or (not attn and self.mlp_bias):
+                attn_bias = self.attention_bias and (name != "self_attn.o_proj" or o_bias)
+                if (attn and attn_bias) or (not attn and self.mlp_bias):
                     shapes[p + name + ".bias"] = shape[:1]
             if self.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
@@ -126,7 +129,9 @@ def load_safetensors(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str,
                     raise ValueError(f"missing tensor {n!r} in {fpath}")
                 out[n] = f.get_tensor(n)
                 if tuple(out[n].shape) != shapes[n]:
-                    raise ValueError(f"tensor {n!r} in {fpath} has shape {tuple(out[n].shape)}, config.json implies {shapes[n]}")
+                    raise ValueError(
+                        f"tensor {n!r} in {fpath} has shape {tuple(out[n].shape)}, config.json implies {shapes[n]}"
+                    )
     return out
 
 
@@ -171,7 +176,10 @@ class Layer:
         self.o = Linear([a + "o_proj"], tensors, scheme, dtype, device)
         self.gate_up = Linear([m + "gate_proj", m + "up_proj"], tensors, scheme, dtype, device)
         self.down = Linear([m + "down_proj"], tensors, scheme, dtype, device)
-        self.named = {p + "input_layernorm.weight": self.input_norm, p + "post_attention_layernorm.weight": self.post_norm}
+        self.named = {
+            p + "input_layernorm.weight": self.input_norm,
+            p + "post_attention_layernorm.weight": self.post_norm,
+        }
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = own(tensors[a + "q_norm.weight"], dtype, device)

@@ -21,7 +21,7 @@ import torch
 
 from qurl import sglang_payload as payload
 from qurl.quant import is_quantized_linear, quantize_state_dict
-from rollout_server.engines import GenRequest, GenResult, Sample
+from rollout_server.engines import GenRequest, GenResult, Sample, run_to_completion
 from rollout_server.engines.sglang_int8_loader import LOADER_PATH
 
 SGLANG_VERSION = "0.5.23"
@@ -276,15 +276,7 @@ class SGLangEngine:
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Run `requests` to completion; one GenResult per request, samples in index order."""
-        if self.has_work():
-            raise RuntimeError("generate() needs an idle engine; drive add_request()/step() instead")
-        out: list[list[Sample | None]] = [[None] * req.n for req in requests]
-        for i, req in enumerate(requests):
-            self.add_request(req, i)
-        while self.has_work():
-            for rid, index, smp in self.step():
-                out[rid][index] = smp
-        return [GenResult(samples=s) for s in out]
+        return run_to_completion(self, requests)
 
     # -- weights -------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from collections.abc import Hashable
 import torch
 
 from qurl.quant import quantize_state_dict
-from rollout_server.engines import GenRequest, GenResult, Sample
+from rollout_server.engines import GenRequest, GenResult, Sample, run_to_completion
 from rollout_server.engines.model import ModelConfig, Transformer, load_safetensors
 from rollout_server.engines.sampling import sample
 
@@ -133,24 +133,18 @@ class TorchEngine:
             raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={req.n}, max_new_tokens={req.max_new_tokens}")
         if len(req.prompt_ids) + req.max_new_tokens > self.max_seq_len:
             raise ValueError(
-                f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds max_seq_len {self.max_seq_len}"
+                f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds "
+                f"max_seq_len {self.max_seq_len}"
             )
         if not req.temperature >= 0 or not 0 < req.top_p <= 1 or not (req.top_k == -1 or req.top_k >= 1):
             raise ValueError(
-                f"need temperature >= 0, 0 < top_p <= 1, top_k -1 or >= 1; got {req.temperature}, {req.top_p}, {req.top_k}"
+                "need temperature >= 0, 0 < top_p <= 1, top_k -1 or >= 1; "
+                f"got {req.temperature}, {req.top_p}, {req.top_k}"
             )
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Run `requests` to completion; one GenResult per request, samples in index order."""
-        if self.has_work():
-            raise RuntimeError("generate() needs an idle engine; drive add_request()/step() instead")
-        out: list[list[Sample | None]] = [[None] * req.n for req in requests]
-        for i, req in enumerate(requests):
-            self.add_request(req, i)
-        while self.has_work():
-            for rid, index, smp in self.step():
-                out[rid][index] = smp
-        return [GenResult(samples=s) for s in out]
+        return run_to_completion(self, requests)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Hashable, int, Sample]]:
@@ -245,12 +239,16 @@ class TorchEngine:
         if not partial:
             missing = sorted(set(expected) - set(named_tensors))
             if missing:
-                raise ValueError(f"update_weights: missing tensor {missing[0]!r} ({len(missing)} missing; pass partial=True for a subset)")
+                raise ValueError(
+                    f"update_weights: missing tensor {missing[0]!r} ({len(missing)} missing; "
+                    "pass partial=True for a subset)"
+                )
         for name, t in named_tensors.items():
             dst = expected[name]
             if tuple(t.shape) != tuple(dst.shape) or t.dtype != dst.dtype:
                 raise ValueError(
-                    f"update_weights: {name} is {t.dtype} {tuple(t.shape)}, the engine holds {dst.dtype} {tuple(dst.shape)}"
+                    f"update_weights: {name} is {t.dtype} {tuple(t.shape)}, "
+                    f"the engine holds {dst.dtype} {tuple(dst.shape)}"
                 )
         with torch.inference_mode():  # also fine for buffers created inside inference mode
             for name, t in named_tensors.items():
