@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from qurl.demo import task as tasks
@@ -121,8 +122,7 @@ def test_examples_and_gold_answers() -> None:
         tasks.make_split("add", "test", 1, 0)
 
 
-def test_tiny_prepare_layout_loads_offline_caches_and_rebuilds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_tiny_prepare_layout_loads_caches_and_rebuilds(tmp_path: Path) -> None:
     root = tmp_path / "demo"
     info = prepare(root, TINY, threads=1, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no temp folder left behind
@@ -144,12 +144,15 @@ def test_tiny_prepare_layout_loads_offline_caches_and_rebuilds(tmp_path: Path, m
     im_end = tok.convert_tokens_to_ids(IM_END)
     assert model.config.eos_token_id == im_end == model.generation_config.eos_token_id == info["eos_token_id"]
     assert model.config.vocab_size == len(tok) == info["vocab_size"]
+    raw = Tokenizer.from_file(str(root / "model" / "tokenizer.json"))
+    for text in TEXTS:
+        assert tok.encode(text, add_special_tokens=False) == raw.encode(text).ids
 
     stamp = (root.stat().st_ino, (root / "model" / "model.safetensors").stat().st_mtime_ns)
     assert prepare(root, TINY, threads=1, progress=False) == info
     assert (root.stat().st_ino, (root / "model" / "model.safetensors").stat().st_mtime_ns) == stamp
 
-    changed = Recipe(**{**TINY.__dict__, "seed": 1})
+    changed = dataclasses.replace(TINY, seed=1)
     info2 = prepare(root, changed, threads=1, progress=False)
     assert info2["fingerprint"] == changed.fingerprint() != info["fingerprint"]
     assert read_info(root) == info2
@@ -203,7 +206,7 @@ def test_sum_steps_prepare_runs(tmp_path: Path) -> None:
     info = prepare(tmp_path / "demo", Recipe(task="sum-steps"), progress=False)
     rows = [json.loads(line) for line in (tmp_path / "demo" / "heldout.jsonl").read_text().splitlines()]
     assert len(rows) == 512 and rows[0]["problem"].count("+") == 3
-    assert info["base_acc_heldout"] > 0.0
+    assert info["reached_target"] and 0.1 <= info["base_acc_heldout"] <= 0.6
 
 
 def test_cached_cli_answers_without_importing_torch(demo_dir: Path) -> None:
