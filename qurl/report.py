@@ -73,6 +73,17 @@ PANELS = [
 ]
 
 
+def _moving_mean(values: tuple, window: int) -> list[float]:
+    """Trailing mean over `window` points (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_curves(run_dir: str) -> Optional[str]:
     """Draw curves.png (reward and accuracy, mismatch KL, clip fractions, throughput) over steps."""
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
@@ -87,9 +98,14 @@ def plot_curves(run_dir: str) -> Optional[str]:
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for key in keys:
             points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and "step" in r]
-            if points:
-                xs, ys = zip(*points)
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            if key.startswith("eval/") or len(points) < 50:
                 ax.plot(xs, ys, marker="o" if len(points) < 20 else None, ms=3, label=key)
+                continue
+            line, = ax.plot(xs, ys, alpha=0.25, lw=0.8)  # per-step values are noisy: show a moving mean on top
+            ax.plot(xs, _moving_mean(ys, max(5, len(ys) // 40)), color=line.get_color(), label=f"{key} (mean)")
         ax.set_title(title)
         ax.set_xlabel("learner step")
         ax.grid(alpha=0.3)
