@@ -18,3 +18,14 @@ def demo_dir() -> Path:
     root = Path(os.environ.get("QURL_DEMO_DIR") or REPO / ".cache" / "qurl-demo")
     prepare(root, Recipe(), progress=False)
     return root
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tests run tiny ops: a second OpenMP thread in the test process only waits on a shared 2-core machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -31,15 +31,6 @@ FAMILIES = {
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [14], [20, 21, 22, 23, 24]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny ops: a second OpenMP thread only adds waiting on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def build_model(family: str, path, seed: int = 0, std: float = 0.15):
     """Random-init HF model with weights large enough that next-token distributions are peaked."""
     torch.manual_seed(seed)

@@ -20,15 +20,6 @@ SCHEMES = ("int8", "fp8-channel", "fp8-block")
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny ops: a second OpenMP thread only adds waiting on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def fake_quant_activation(scheme: str, x: torch.Tensor) -> torch.Tensor:
     if scheme == "int8":
         return dequantize_int8(*quantize_int8(x, dim=-1)).to(x.dtype)

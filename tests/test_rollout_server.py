@@ -36,14 +36,6 @@ START_TIMEOUT_S = 90  # imports, engine load and the reward pool's forkserver on
 WAIT_S = 30
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class FakeLearner:
     """Binds like the learner's rank 0; replies to heartbeats with its version and counters."""
 
