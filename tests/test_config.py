@@ -108,3 +108,15 @@ def test_cli_print_config_and_exit_codes(prog):
     assert bad.returncode == 2
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "rollout.quant" in lines[0] and "none, int8, fp8" in lines[0]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.quant=int4", "rollout.quant"), ("algo.eps_low=-0.2", "algo.eps_low"),
+    ("async.max_staleness=-1", "async.max_staleness"), ("rollout.n_samples=1", "rollout.n_samples"),
+    ("rollout.quantisation=int8", "rollout.quantisation"), ("train.lr=fast", "train.lr"),
+    ("model.path=/nonexistent/model", "model.path"),
+])
+def test_qurl_async_refuses_each_bad_override_with_exit_2(override, key):
+    bad = run_cli("qurl-async", "--config", "configs/demo-cpu.yaml", override)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and key in lines[0], bad.stderr
