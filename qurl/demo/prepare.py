@@ -110,25 +110,12 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
     """Fraction of problems whose greedy response earns the arith reward (exact integer match)."""
     if len(problems) != len(answers) or not problems:
         raise ValueError(f"problems/answers: need equal non-zero lengths, got {len(problems)} and {len(answers)}")
-    import torch
+    from qurl.evaluate import hf_greedy  # imports torch: kept out of the cached CLI path
 
-    was_training = model.training
-    model.eval()
     eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
-    prompts = chat_prompts(tokenizer, problems)
-    correct = 0
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i:i + batch_size]
-        width = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
-        texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        correct += sum(arith_reward(t, a) for t, a in zip(texts, answers[i:i + batch_size]))
-    model.train(was_training)
-    return float(correct) / len(problems)
+    responses = hf_greedy(model, chat_prompts(tokenizer, problems), pad, [eos], max_new_tokens, batch_size)
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return float(sum(arith_reward(t, a) for t, a in zip(texts, answers))) / len(problems)
 
 
 def _sft_tensors(tokenizer: PreTrainedTokenizerBase,
