@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Iterable, Literal
 
 ENGINES = ("torch", "sglang")
 QUANTS = ("none", "int8", "fp8", "fp8-channel", "fp8-block")
@@ -38,6 +38,19 @@ class GenResult:
     """The `n` samples of one request, in sample order."""
 
     samples: list[Sample]
+
+
+def check_names(expected: Iterable[str], names: Iterable[str], partial: bool) -> None:
+    """Refuse a weight push naming a tensor the engine lacks, or (unless partial) missing one it holds."""
+    expected, names = set(expected), set(names)
+    unknown = sorted(names - expected)
+    if unknown:
+        hint = " (tied embeddings: send model.embed_tokens.weight only)" if unknown[0] == "lm_head.weight" else ""
+        raise ValueError(f"update_weights: unknown tensor {unknown[0]!r}{hint} ({len(unknown)} unknown)")
+    missing = [] if partial else sorted(expected - names)
+    if missing:
+        raise ValueError(f"update_weights: missing tensor {missing[0]!r} ({len(missing)} missing; "
+                         "pass partial=True for a subset)")
 
 
 def run_to_completion(engine, requests: list[GenRequest]) -> list[GenResult]:

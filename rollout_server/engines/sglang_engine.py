@@ -21,7 +21,7 @@ import torch
 
 from qurl import sglang_payload as payload
 from qurl.quant import is_quantized_linear, quantize_state_dict
-from rollout_server.engines import GenRequest, GenResult, Sample, run_to_completion
+from rollout_server.engines import GenRequest, GenResult, Sample, check_names, run_to_completion
 from rollout_server.engines.sglang_int8_loader import LOADER_PATH
 
 SGLANG_VERSION = "0.5.23"
@@ -169,14 +169,7 @@ def expected_tensors(path: str, scheme: str) -> dict[str, tuple[tuple[int, ...],
 
 def check_push(expected: dict, tensors: dict[str, torch.Tensor], partial: bool = False) -> None:
     """Refuse a push whose names, shapes or dtypes differ from what the engine loads (see expected_tensors)."""
-    unknown = sorted(set(tensors) - set(expected))
-    if unknown:
-        hint = " (tied embeddings: send model.embed_tokens.weight only)" if unknown[0] == "lm_head.weight" else ""
-        raise ValueError(f"update_weights: unknown tensor {unknown[0]!r}{hint} ({len(unknown)} unknown)")
-    if not partial:
-        missing = sorted(set(expected) - set(tensors))
-        if missing:
-            raise ValueError(f"update_weights: missing tensor {missing[0]!r} ({len(missing)} missing; pass partial=True for a subset)")
+    check_names(expected, tensors, partial)
     for name, t in tensors.items():
         shape, dtype = expected[name]
         if tuple(t.shape) != shape or (t.dtype != dtype if dtype is not None else not t.is_floating_point()):

@@ -14,7 +14,7 @@ from collections.abc import Hashable
 import torch
 
 from qurl.quant import quantize_state_dict
-from rollout_server.engines import GenRequest, GenResult, Sample, run_to_completion
+from rollout_server.engines import GenRequest, GenResult, Sample, check_names, run_to_completion
 from rollout_server.engines.model import ModelConfig, Transformer, load_safetensors
 from rollout_server.engines.sampling import sample
 
@@ -232,17 +232,7 @@ class TorchEngine:
         Without `partial`, `named_tensors` must name every engine tensor (see `weights`).
         """
         expected = self._weights
-        unknown = sorted(set(named_tensors) - set(expected))
-        if unknown:
-            hint = " (tied embeddings: send model.embed_tokens.weight only)" if unknown[0] == "lm_head.weight" else ""
-            raise ValueError(f"update_weights: unknown tensor {unknown[0]!r}{hint} ({len(unknown)} unknown)")
-        if not partial:
-            missing = sorted(set(expected) - set(named_tensors))
-            if missing:
-                raise ValueError(
-                    f"update_weights: missing tensor {missing[0]!r} ({len(missing)} missing; "
-                    "pass partial=True for a subset)"
-                )
+        check_names(expected, named_tensors, partial)
         for name, t in named_tensors.items():
             dst = expected[name]
             if tuple(t.shape) != tuple(dst.shape) or t.dtype != dst.dtype:
