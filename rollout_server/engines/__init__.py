@@ -6,7 +6,7 @@ from typing import Iterable, Literal
 
 ENGINES = ("torch", "sglang")
 QUANTS = ("none", "int8", "fp8", "fp8-channel", "fp8-block")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float64")  # float64: parity checks against a reference, not for rollout
 
 
 @dataclass

@@ -84,15 +84,17 @@ class Linear:
                 return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale_t, out_dtype=x.dtype)
             except RuntimeError:  # shapes or build without row-wise fp8 GEMM: use the exact fallback
                 self._scaled_mm_ok = False
-        w = self.weight.to(torch.float32).mul_(self.scale)
-        return dense_linear(xq.to(torch.float32).mul_(xs), w)
+        ct = _compute_dtype(x)
+        w = self.weight.to(ct).mul_(self.scale)
+        return dense_linear(xq.to(ct).mul_(xs), w)
 
     def _fp8_block(self, x: torch.Tensor) -> torch.Tensor:
         xq, xs = quantize_fp8(x, "channel")
-        w = self.weight.to(torch.float32)
+        ct = _compute_dtype(x)
+        w = self.weight.to(ct)
         for part, s in zip(w.split(self.sizes), self.block_scales):
             part.mul_(_expand_blocks(s, *part.shape))
-        return dense_linear(xq.to(torch.float32).mul_(xs), w)
+        return dense_linear(xq.to(ct).mul_(xs), w)
 
 
 def int8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale_t: torch.Tensor) -> torch.Tensor:
@@ -106,6 +108,11 @@ def int8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale_t: torch.Tensor) -> t
     else:
         acc = torch._int_mm(xq, wq.t())  # transposed view: much faster than a contiguous copy on CPU
     return (acc * xs).mul_(w_scale_t)  # int32 * fp32 promotes to fp32 in the same pass
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32 and bf16 models; fp64 when a parity check runs the engine in fp64."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _expand_blocks(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:

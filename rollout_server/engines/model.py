@@ -158,8 +158,8 @@ def own(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and scaled in the model dtype, as the HF families do."""
-    x32 = x.float()
+    """RMSNorm computed in at least fp32 and scaled in the model dtype, as the HF families do."""
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
 

@@ -18,7 +18,7 @@ from rollout_server.engines import GenRequest, GenResult, Sample, check_names, r
 from rollout_server.engines.model import ModelConfig, Transformer, load_safetensors
 from rollout_server.engines.sampling import sample
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _SCHEMES = {"none": "none", "int8": "int8", "fp8": "fp8-block", "fp8-channel": "fp8-channel", "fp8-block": "fp8-block"}
 
 
