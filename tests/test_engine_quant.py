@@ -13,7 +13,7 @@ from qurl.quant import (
     quantize_state_dict,
 )
 from rollout_server.engines import GenRequest, load_engine
-from rollout_server.engines.linear import Linear
+from rollout_server.engines.linear import Linear, int8_matmul
 from test_engine import DEVICE, PROMPTS, build_model, teacher_forced
 
 SCHEMES = ("int8", "fp8-channel", "fp8-block")
@@ -21,14 +21,17 @@ PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 
 
 def fake_quant_activation(scheme: str, x: torch.Tensor) -> torch.Tensor:
-    if scheme == "int8":
-        return dequantize_int8(*quantize_int8(x, dim=-1)).to(x.dtype)
-    return dequantize_fp8(*quantize_fp8(x, "channel")).to(x.dtype)
+    """Dequantized in x's dtype when that is wider than fp32 (scales promoted), so an fp64 reference stays exact."""
+    codes, scale = quantize_int8(x, dim=-1) if scheme == "int8" else quantize_fp8(x, "channel")
+    deq = dequantize_int8 if scheme == "int8" else dequantize_fp8
+    return deq(codes, scale.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)
 
 
 def fake_quant_reference(hf, path: str, scheme: str):
     """The HF model on dequantized weights, with each projection's input fake-quantized per token."""
     sd = quantize_state_dict(load_file(f"{path}/model.safetensors"), scheme)
+    wide = hf.dtype == torch.float64
+    sd = {k: v.double() if wide and k.endswith(("_scale", "_scale_inv")) else v for k, v in sd.items()}
     hf.load_state_dict(dequantize_state_dict(sd, scheme), strict=False)
     for name, module in hf.named_modules():
         if name.rsplit(".", 1)[-1] in PROJ:
@@ -107,6 +110,19 @@ def test_fused_linear_matches_plain_math(scheme, dtype):
     torch.testing.assert_close(got.float(), want, **tol)
     if DEVICE == "cuda" and scheme == "fp8-channel" and dtype == torch.bfloat16:
         assert lin._scaled_mm_ok  # the torch._scaled_mm path ran, not the dequantizing fallback
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the oneDNN prepacked int8 path is CPU-only")
+def test_cpu_prepacked_int8_equals_int_mm():
+    """The prepacked oneDNN path (uint8 activations, zero point 128) computes the same exact int32 sums."""
+    g = torch.Generator().manual_seed(1)
+    prefixes = ["model.layers.0.self_attn.o_proj"]
+    q = quantize_state_dict({prefixes[0] + ".weight": torch.randn(96, 160, generator=g) * 0.05}, "int8")
+    lin = Linear(prefixes, q, "int8", torch.float32, torch.device("cpu"))
+    assert lin.packed is not None
+    for m in (1, 7, 64):
+        x = torch.randn(m, 160, generator=g) * 3
+        torch.testing.assert_close(lin(x), int8_matmul(x, lin.weight, lin.scale_t), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("scheme", ("int8", "fp8-block"))

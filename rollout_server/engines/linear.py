@@ -14,7 +14,9 @@ from qurl.quant import quantize_fp8, quantize_int8
 SCHEMES = ("none", "int8", "fp8-channel", "fp8-block")
 FP8_BLOCK = 128
 _CUDA_INT_MM_MIN_M = 17  # cuBLAS int8 GEMM in torch._int_mm needs more than 16 rows
-_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+_ONEDNN = torch.backends.mkldnn.is_available()
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if _ONEDNN else None
+_ONEDNN_QLINEAR = _ONEDNN and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,6 +59,12 @@ class Linear:
             self.scale = _fuse([tensors[p + ".weight_scale"] for p in prefixes], torch.float32, device)
             self.scale_t = self.scale.t()  # [1, N] view, stays valid across in-place updates
             self.named.update(_views(self.scale, prefixes, ".weight_scale", self.sizes))
+        # CPU int8: a oneDNN-prepacked copy of the codes, about 2x faster than torch._int_mm at decode shapes
+        self.packed = None
+        self._onednn = scheme == "int8" and _ONEDNN_QLINEAR and self.weight.device.type == "cpu"
+        if self._onednn:
+            self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
+            self.repack()
         elif scheme == "fp8-block":
             for p in prefixes:
                 s = tensors[p + ".weight_scale_inv"].to(device=device, dtype=torch.float32, copy=True).contiguous()
@@ -68,7 +76,9 @@ class Linear:
         """x [M, K] in the model dtype -> [M, N] in the model dtype."""
         if self.scheme == "none":
             return dense_linear(x, self.weight, self.bias)
-        if self.scheme == "int8":
+        if self.packed is not None and x.dtype != torch.float64:
+            out = self._int8_onednn(x)
+        elif self.scheme == "int8":
             out = int8_matmul(x, self.weight, self.scale_t)
         elif self.scheme == "fp8-channel":
             out = self._fp8_channel(x)
@@ -76,6 +86,20 @@ class Linear:
             out = self._fp8_block(x)
         out = out.to(x.dtype)
         return out if self.bias is None else out.add_(self.bias)
+
+    def repack(self) -> None:
+        """Rebuild the prepacked codes from the int8 buffers; needed after they were written in place."""
+        if self._onednn:
+            self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
+
+    def _int8_onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """Same math as int8_matmul: int8 codes shifted to uint8 with zero point 128 (oneDNN's fast s8 path), exact."""
+        xq, xs = quantize_int8(x, dim=-1)
+        xu = xq.view(torch.uint8).bitwise_xor_(128)  # v + 128 as uint8 is v's two's-complement bits with the top flipped
+        acc = torch.ops.onednn.qlinear_pointwise(
+            xu, 1.0, 128, self.packed, self.scale.view(-1), self.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+        return acc.mul_(xs)
 
     def _fp8_channel(self, x: torch.Tensor) -> torch.Tensor:
         xq, xs = quantize_fp8(x, "channel")
@@ -107,7 +131,7 @@ def int8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale_t: torch.Tensor) -> t
         acc = torch._int_mm(F.pad(xq, (0, 0, 0, _CUDA_INT_MM_MIN_M - m)), wq.t())[:m]
     else:
         acc = torch._int_mm(xq, wq.t())  # transposed view: much faster than a contiguous copy on CPU
-    return (acc * xs).mul_(w_scale_t)  # int32 * fp32 promotes to fp32 in the same pass
+    return (acc * xs.to(_compute_dtype(x))).mul_(w_scale_t)  # int32 * fp32 promotes to fp32 in the same pass
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -185,7 +185,8 @@ class Layer:
             self.q_norm = own(tensors[a + "q_norm.weight"], dtype, device)
             self.k_norm = own(tensors[a + "k_norm.weight"], dtype, device)
             self.named.update({a + "q_norm.weight": self.q_norm, a + "k_norm.weight": self.k_norm})
-        for lin in (self.qkv, self.o, self.gate_up, self.down):
+        self.linears = (self.qkv, self.o, self.gate_up, self.down)
+        for lin in self.linears:
             self.named.update(lin.named)
 
 
@@ -223,6 +224,14 @@ class Transformer:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.half = half
         self.scale = cfg.head_dim**-0.5
+
+    def repack(self, names) -> None:
+        """Refresh the derived copies (prepacked int8 codes) of the linears whose buffers `names` wrote."""
+        names = set(names)
+        for layer in self.layers:
+            for lin in layer.linears:
+                if lin.packed is not None and not names.isdisjoint(lin.named):
+                    lin.repack()
 
     def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Normed input [M, H] -> rotated q [M, heads, hd], k and v [M, kv_heads, hd]."""

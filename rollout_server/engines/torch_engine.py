@@ -243,4 +243,5 @@ class TorchEngine:
         with torch.inference_mode():  # also fine for buffers created inside inference mode
             for name, t in named_tensors.items():
                 expected[name].copy_(t)
+            self.model.repack(named_tensors)
         self._version = int(version)
