@@ -68,6 +68,7 @@ def test_books_balance_through_two_server_kills_and_a_learner_kill(demo_dir, tmp
     summary = json.loads((run_dir / "summary.json").read_text())
     b = summary["books"]
     assert b["balanced"] and b["problems"] == [], b
+    assert "DRIFT" not in (run_dir / "logs" / "learner.log").read_text()  # int8 noise stays under the drift guard
     assert b["generated"] == sum(b[k] for k in books.CATEGORIES) and b["lost_in_transit"] == 0
     assert b["used"] == (saved + 2) * 4  # batch_prompts=4 groups per step, the resumed steps included
     ledger = json.loads((run_dir / books.LEDGER).read_text())
@@ -190,3 +191,164 @@ def test_learner_without_trajectories_waits_visibly_then_stops_on_its_timeout(de
     assert "waiting for trajectories" in proc.stderr and "no rollout server has said hello yet" in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "async.wait_timeout_s" in errors[0], errors
+
+
+# -- 6 and 5: the drift guard (a server on another model) and authentication against a live learner ---------------
+
+
+def _other_model(demo_dir, out: Path) -> Path:
+    """The demo architecture and tokenizer with fresh random weights: loads everywhere, but is another policy."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(Path(demo_dir) / "model")).save_pretrained(out)
+    for f in (Path(demo_dir) / "model").iterdir():
+        if f.is_file() and not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_drift_guard_warns_on_a_server_with_another_model_and_forged_frames_are_refused(demo_dir, tmp_path):
+    from test_learner import free_port
+
+    run_dir, secret = tmp_path / "drift", "s3cret"
+    endpoints = [f"transport.{k}=tcp://127.0.0.1:{free_port()}" for k in ("trajectories", "weights", "control")]
+    common = [*demo_overrides(demo_dir, run_dir, 2), "data.eval_files=[]", f"transport.secret={secret}", *endpoints]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "learner.log", "wb") as llog, open(run_dir / "server.log", "wb") as slog:
+        learner = subprocess.Popen([str(BIN / "qurl-learner"), "--config", "configs/demo-cpu.yaml", *common], cwd=ROOT,
+                                   env=env, stdout=llog, stderr=subprocess.STDOUT)
+        server = subprocess.Popen([str(BIN / "qurl-rollout-server"), "--config", "configs/demo-cpu.yaml", *common,
+                                   f"model.path={_other_model(demo_dir, tmp_path / 'other')}"], cwd=ROOT, env=env,
+                                  stdout=slog, stderr=subprocess.STDOUT)
+    ctx = zmq.Context()
+    try:
+        push = transport.connect(ctx, zmq.PUSH, endpoints[0].split("=", 1)[1], max_bytes=1 << 20)
+        dealer = transport.connect(ctx, zmq.DEALER, endpoints[2].split("=", 1)[1], max_bytes=1 << 20)
+        hello = Status(type="hello", server_id="intruder", version=0)
+        push.send_multipart(encode(hello, sender="intruder", session="x", seq=0))  # no HMAC
+        signed = encode(hello, sender="intruder", session="x", seq=0, secret=secret.encode())
+        dealer.send_multipart(signed)
+        time.sleep(1.5)  # past the receiver's one-line-per-second log limit
+        dealer.send_multipart(signed)  # the same stamp again
+        assert learner.wait(timeout=180) == 0, (run_dir / "learner.log").read_text()[-3000:]
+    finally:
+        server.kill()
+        server.wait()
+        ctx.destroy(linger=0)
+    log = (run_dir / "learner.log").read_text()
+    assert "BadAuth" in log and "Replay" in log, log[-3000:]
+    drift = [line for line in log.splitlines() if "DRIFT" in line]
+    assert len(drift) == 1 and "model.path" in drift[0], log[-3000:]
+    kl = float(re.search(r"kl_k3 (\S+) >", drift[0]).group(1))
+    print(f"drift guard: first-batch kl_k3 {kl:.3g} with a different rollout model")
+
+
+# -- 2. checkpoints under SIGKILL ----------------------------------------------------------------------------------
+
+SAVER = """
+import os, sys, time, torch, torch.distributed as dist
+from learner import checkpoint
+root, start = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method="file://" + root + ".store", rank=0, world_size=1)
+torch.set_num_threads(1)
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])  # 50 MB of weights, 150 MB with AdamW
+opt = torch.optim.AdamW(model.parameters())
+model(torch.ones(1, 1024)).sum().backward()
+opt.step()
+for step in range(start, start + 1000):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(step)
+    t = time.perf_counter()
+    checkpoint.save(root, step, model, opt, {"step": step}, keep=2)
+    print(step, round(time.perf_counter() - t, 3), flush=True)
+"""
+
+
+def test_sigkill_during_checkpoint_writes_keeps_the_newest_complete_one(tmp_path):
+    """A real process writing 150 MB checkpoints in a loop, SIGKILLed at several points of a write: the newest complete
+    checkpoint is found, loads, and holds that step's weights; the torn one is never picked."""
+    import torch
+    from safetensors.torch import load_file
+
+    from learner import checkpoint
+
+    root = str(tmp_path / "checkpoints")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    fingerprint = checkpoint.fingerprint(torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)]))
+    torn, start = 0, 1
+    for fraction in (0.1, 0.4, 0.7, 0.95):
+        if os.path.exists(root + ".store"):
+            os.remove(root + ".store")
+        proc = subprocess.Popen([sys.executable, "-c", SAVER, root, str(start)], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, text=True)
+        first = proc.stdout.readline().split()  # one complete save, and how long it took
+        assert first, "the saver died"
+        time.sleep(float(first[1]) * fraction)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        torn += any(name.startswith(".tmp-step_") for name in os.listdir(root))
+        done = [int(first[0])] + [int(line.split()[0]) for line in proc.stdout.read().splitlines()]
+        latest = checkpoint.find_latest(root, fingerprint)
+        step = int(os.path.basename(latest).split("_")[1])
+        assert step in (done[-1], done[-1] + 1)  # +1: killed after the rename, before the print
+        checkpoint.check(latest, fingerprint)
+        weights = load_file(os.path.join(latest, "model.safetensors"))
+        assert all(bool((t == step).all()) for t in weights.values())
+        assert torch.load(os.path.join(latest, "rng_rank0.pt"), weights_only=True)["cpu"].dtype == torch.uint8
+        start = step + 1
+    assert torn >= 2, "the kills should land inside writes"
+
+
+# -- 5 and 4: nothing on an input path unpickles or evaluates; a tokenizer of another model is refused -------------
+
+UNSAFE_CALLS = {"eval", "exec", "compile", "__import__"}
+UNSAFE_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle"}
+
+
+def test_no_pickle_or_eval_in_the_package_and_torch_load_is_weights_only():
+    import ast
+
+    found = []
+    for pkg in ("qurl", "learner", "rollout_server"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                    found += [f"{where} imports {n}" for n in names if n and n.split(".")[0] in UNSAFE_MODULES]
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+                owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
+                if isinstance(func, ast.Name) and name in UNSAFE_CALLS:
+                    found.append(f"{where} calls {name}()")
+                kwargs = {k.arg: k.value for k in node.keywords}
+                if owner == "torch" and name == "load" and not (
+                        isinstance(kwargs.get("weights_only"), ast.Constant) and kwargs["weights_only"].value is True):
+                    found.append(f"{where} torch.load without weights_only=True")
+                if owner == "yaml" and name in ("load", "unsafe_load", "full_load"):
+                    found.append(f"{where} yaml.{name}")
+    assert found == [], found
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_with_one_line(demo_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(Path(demo_dir) / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    cmd = [str(BIN / "qurl-rollout-server"), "--config", "configs/demo-cpu.yaml", f"model.path={model}",
+           f"data.train_files=[{demo_dir}/train.jsonl]", "data.eval_files=[]",
+           *(f"transport.{k}=tcp://127.0.0.1:9" for k in ("trajectories", "weights", "control"))]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vocab_size is 100" in lines[0] and "tokenizer has" in lines[0], proc.stderr
