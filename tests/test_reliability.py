@@ -145,7 +145,7 @@ def test_failing_verifier_and_fuzzed_learner_sockets_leave_a_run_that_completes(
     while it trains: nothing dies, every failure is counted, the run finishes and its books balance."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     run_dir = tmp_path / "flaky"
-    proc = start(demo_dir, run_dir, 4, "reward.name=reward_fns:flaky", "reward.timeout_s=1", "data.eval_files=[]")
+    proc = start(demo_dir, run_dir, 3, "reward.name=reward_fns:flaky", "reward.timeout_s=0.5", "data.eval_files=[]")
     wait_for_step(run_dir, 1)
     cfg = (run_dir / "config.yaml").read_text()
     endpoints = {k: re.search(rf"{k}: (tcp://\S+)", cfg).group(1) for k in ("trajectories", "control")}
