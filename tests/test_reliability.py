@@ -32,7 +32,13 @@ def last_step(run_dir) -> int:
 
 
 def pids(run_dir) -> dict:
-    return json.loads((Path(run_dir) / "logs" / "pids.json").read_text())
+    """logs/pids.json, read again while the launcher is rewriting it."""
+    for _ in range(50):
+        try:
+            return json.loads((Path(run_dir) / "logs" / "pids.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            time.sleep(0.1)
+    raise AssertionError("logs/pids.json unreadable")
 
 
 def wait_until(predicate, timeout=120, what="condition"):
@@ -146,7 +152,7 @@ def test_failing_verifier_and_fuzzed_learner_sockets_leave_a_run_that_completes(
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     run_dir = tmp_path / "flaky"
     proc = start(demo_dir, run_dir, 3, "reward.name=reward_fns:flaky", "reward.timeout_s=0.5", "data.eval_files=[]")
-    wait_for_step(run_dir, 1)
+    wait_until(lambda: (run_dir / "logs" / "pids.json").exists(), what="the launcher")  # endpoints are resolved
     cfg = (run_dir / "config.yaml").read_text()
     endpoints = {k: re.search(rf"{k}: (tcp://\S+)", cfg).group(1) for k in ("trajectories", "control")}
     ctx = zmq.Context()
@@ -159,9 +165,8 @@ def test_failing_verifier_and_fuzzed_learner_sockets_leave_a_run_that_completes(
             push.send_multipart(frames)
             dealer.send_multipart(frames)
             sent += 1
-        time.sleep(1.0)
-        learner = pids(run_dir)["learner"]
-        os.kill(learner, 0)  # still alive
+        wait_for_step(run_dir, 1)  # the garbage was queued before the learner's first batch
+        os.kill(pids(run_dir)["learner"], 0)  # still alive
     finally:
         ctx.destroy(linger=1000)
     code, out = finish(proc)
