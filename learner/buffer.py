@@ -1,6 +1,7 @@
 """Rank 0's trajectory buffer: pull scored groups, drop stale or uninformative ones (counted), assemble batches."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter, deque
@@ -31,6 +32,11 @@ class Batch:
     @property
     def num_groups(self) -> int:
         return int(self.group[-1]) + 1 if len(self.group) else 0
+
+
+def json_copy(tree: dict) -> dict:
+    """A deep copy of a JSON-able dict (the books travel in checkpoints as JSON)."""
+    return json.loads(json.dumps(tree))
 
 
 def min_version(group: TrajectoryGroup) -> int:
@@ -71,9 +77,13 @@ class TrajectoryBuffer:
         self.received = 0
         self.received_from: Counter[str] = Counter()
         self.used = 0
-        self.dropped: Counter[str] = Counter()  # stale, filter (all rewards equal), invalid
+        self.dropped: Counter[str] = Counter()  # stale, filter (all rewards equal), invalid, restart
         self.response_tokens = 0  # every response token received, used or not
         self.last_arrival = time.monotonic()
+        self.life = 1  # learner lives: 1 + resumes
+        # the books' wire evidence: server id -> {"sessions": {session: [accepted, highest seq]}, "life", "restart_gaps"}
+        self.wire: dict[str, dict] = {}
+        self._resumed_sessions: set[tuple[str, str]] = set()  # checkpointed sessions not heard from since the resume
 
     @property
     def accepted_total(self) -> int:
@@ -83,15 +93,21 @@ class TrajectoryBuffer:
     def counters(self) -> dict:
         """The buffer's cursor: what a resumed learner continues counting from."""
         return {"received": self.received, "received_from": dict(self.received_from), "used": self.used,
-                "dropped": dict(self.dropped), "response_tokens": self.response_tokens}
+                "dropped": dict(self.dropped), "response_tokens": self.response_tokens, "buffered": len(self.groups),
+                "life": self.life, "wire": json_copy(self.wire)}
 
     def restore(self, counters: dict) -> None:
-        """Continue the counts of a checkpoint (the groups that sat in the buffer are not kept; servers make new ones)."""
+        """Continue the counts of a checkpoint; the groups that sat in the buffer are not kept (servers make new
+        ones) and are booked as dropped_at_restart."""
         self.received = int(counters["received"])
         self.received_from = Counter({k: int(v) for k, v in counters["received_from"].items()})
         self.used = int(counters["used"])
         self.dropped = Counter({k: int(v) for k, v in counters["dropped"].items()})
+        self.dropped["restart"] += int(counters.get("buffered", 0))
         self.response_tokens = int(counters["response_tokens"])
+        self.life = int(counters.get("life", 1)) + 1
+        self.wire = json_copy(counters.get("wire", {}))
+        self._resumed_sessions = {(sid, session) for sid, w in self.wire.items() for session in w["sessions"]}
 
     def poll(self, timeout_ms: int, version: int) -> int:
         """Take every group waiting on the socket (waiting up to timeout_ms for the first); return how many."""
@@ -100,10 +116,21 @@ class TrajectoryBuffer:
         while ready:
             msg = self.receiver.recv(timeout_ms=0)  # None when the message was bad (logged and counted there)
             if isinstance(msg, TrajectoryGroup):
+                self._tally(*self.receiver.guard.last_stamp)
                 self._add(msg, version)
                 n += 1
             ready = self.receiver.sock.poll(0)
         return n
+
+    def _tally(self, sender: str, session: str, seq: int) -> None:
+        """Book one accepted message by its stamp; a resumed session's skipped seq numbers went to the dead learner."""
+        w = self.wire.setdefault(sender, {"sessions": {}, "life": self.life, "restart_gaps": 0})
+        w["life"] = self.life
+        count, high = w["sessions"].get(session, (0, -1))
+        if (sender, session) in self._resumed_sessions:
+            self._resumed_sessions.discard((sender, session))
+            w["restart_gaps"] += seq - high - 1
+        w["sessions"][session] = [count + 1, max(high, seq)]
 
     def _add(self, group: TrajectoryGroup, version: int) -> None:
         self.received += 1

@@ -29,7 +29,7 @@ from learner.buffer import Batch, TrajectoryBuffer, collate, min_version
 from learner.evaluation import FpEvaluator
 from learner.model import build_policy, invariant_scaling, token_logprobs
 from learner.weight_sender import WeightSender
-from qurl import transport
+from qurl import books, transport
 from qurl.algorithms import group_advantages, kl_penalty, overlong_penalty, policy_loss
 from qurl.config import get, run_dir, to_yaml
 from qurl.metrics import MetricsLogger
@@ -133,6 +133,8 @@ class Learner:
         self.engine_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.rollout.dtype]
         self.progress = Progress()
         self.saved_step = 0  # nothing to save before the first step
+        self.timed_out = False  # no group arrived for async.wait_timeout_s
+        self.drift_checked = False  # the first batch of this learner life is checked against algo.drift_kl_threshold
         self.evaluator = FpEvaluator.from_config(cfg) if self.is_main else None
         problem = None
         if self.is_main:
@@ -172,6 +174,7 @@ class Learner:
                 metrics.update({"version": self.progress.version, "time/step_s": now - started,
                                 "train/skipped_steps": self.progress.skipped_updates, **self._memory()})
                 self.metrics.log(self.progress.step, metrics)
+                self._check_drift(metrics["mismatch/kl_k3"])
                 self._log_quant_evals()
                 last_mark = now
                 log.info("step %d version %d reward %.3f loss %.4g grad_norm %.3g kl_k3 %.2e step %.2fs sync %.2fs",
@@ -183,11 +186,19 @@ class Learner:
                 self._checkpoint()
         if self.progress.step != self.saved_step:
             self._checkpoint()
+        if self.timed_out:
+            if self.is_main:
+                log.error("no trajectory group arrived for %.0f s (async.wait_timeout_s); servers: %s; stopping at "
+                          "step %d (checkpointed), resume with run.resume=true", get(self.cfg, "async.wait_timeout_s"),
+                          self.sender.status_line(), self.progress.step)
+            return 1
         if self.is_main and self.evaluator is not None and self.progress.step >= self.cfg.train.steps:
             self._wait_for_quant_eval(self.progress.version)
         self._export()
         if self.is_main:
-            write_summary(self.run_dir, to_yaml(self.cfg), time.monotonic() - self.started)
+            books.write_ledger(self.run_dir, self._ledger())
+            write_summary(self.run_dir, to_yaml(self.cfg), time.monotonic() - self.started,
+                          {"books": books.close_run(self.run_dir, learner_ended_cleanly=True)})
             log.info("done: %d steps, version %d, run folder %s", self.progress.step, self.progress.version, self.run_dir)
         return 0
 
@@ -256,6 +267,8 @@ class Learner:
             self.saved_step = self.progress.step
             if self.is_main:
                 self.buffer.restore(self.progress.buffer)
+                self.sender.reports = dict(state.get("reports", {}))
+                self.sender.life = self.buffer.life
                 self._tokens_mark = self.buffer.response_tokens
                 log.info("resumed from %s: step %d, version %d", path, self.progress.step, self.progress.version)
         if self.is_main:
@@ -272,10 +285,13 @@ class Learner:
     def _next_batch(self) -> tuple[Optional[Batch], dict]:
         """Collective: the next batch on every rank, or None when a stop was asked for on any rank."""
         waited_from = last_line = time.monotonic()
+        timeout = get(self.cfg, "async.wait_timeout_s")
         while True:
-            stop = torch.tensor([int(self.stop.requested)])
+            idle = time.monotonic() - max(waited_from, self.buffer.last_arrival) if self.is_main else 0.0
+            stop = torch.tensor([int(self.stop.requested), int(bool(timeout) and idle > timeout)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-            if stop.item():
+            if stop.any():
+                self.timed_out = bool(stop[1].item())
                 return None, {}
             groups, header = None, torch.zeros(3, dtype=torch.int64)
             if self.is_main:
@@ -325,6 +341,17 @@ class Learner:
             server_totals.update({k: v for k, v in server.counters.items() if isinstance(v, (int, float))})
         info.update({f"servers/{k}": v for k, v in server_totals.items()})
         return info
+
+    def _check_drift(self, kl_k3: float) -> None:
+        """Once per learner life, on its first batch: a behaviour/proximal gap far above quantization noise is a bug."""
+        if self.drift_checked or math.isnan(kl_k3):  # a skipped update logs no mismatch: check the next batch
+            return
+        self.drift_checked = True
+        threshold = self.cfg.algo.drift_kl_threshold
+        if kl_k3 > threshold:
+            log.warning("DRIFT: first batch mismatch/kl_k3 %.3g > algo.drift_kl_threshold %.3g: the rollout server's "
+                        "policy is not the learner's; check that both load the same model.path and tokenizer and that "
+                        "weight pushes are applied", kl_k3, threshold)
 
     def _rollout_rates(self, wall_s: float) -> dict:
         tokens = self.buffer.response_tokens - self._tokens_mark
@@ -556,14 +583,19 @@ class Learner:
         log.warning("no rollout server evaluated version %d within %.0f s", version, FINAL_EVAL_WAIT_S)
 
     def _checkpoint(self) -> None:
+        ledger = self._ledger() if self.is_main else {"buffer": {}, "reports": {}}
         state = {"step": self.progress.step, "version": self.progress.version,
-                 "skipped_updates": self.progress.skipped_updates,
-                 "buffer": self.buffer.counters() if self.is_main else {}}
+                 "skipped_updates": self.progress.skipped_updates, **ledger}
         path = checkpoint.save(self.ckpt_root, self.progress.step, self.model, self.optimizer, state,
                                keep=self.cfg.checkpoint.keep)
         self.saved_step = self.progress.step
         if self.is_main:
+            books.write_ledger(self.run_dir, ledger)  # the books as of this checkpoint, which a resume continues
             log.info("checkpoint %s", path)
+
+    def _ledger(self) -> dict:
+        """Rank 0's side of the run's books (qurl.books): buffer and wire counters, the servers' last reports."""
+        return {"buffer": self.buffer.counters(), "reports": dict(self.sender.reports)}
 
     def _export(self) -> None:
         state = checkpoint.full_state_dict(self.model)

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 import zmq
 
+from qurl import books
 from qurl.protocol import Status, WeightPush, from_torch
 from qurl.quant import changed_fraction
 from qurl.transport import Receiver, Sender
@@ -56,6 +57,8 @@ class WeightSender:
         self.counts = counts  # server id -> (accepted_total, received from it)
         self.version = version
         self.servers: dict[str, ServerInfo] = {}
+        self.reports: dict[str, dict] = {}  # server id -> its last book counters (qurl.books), kept after its bye
+        self.life = 1  # the learner life (1 + resumes) the reports are stamped with
         self.pushes = 0
         self.repushes = 0
         self._push: Optional[WeightPush] = None
@@ -126,6 +129,8 @@ class WeightSender:
 
     def _answer(self, ident: bytes, msg: Status) -> None:
         now = time.monotonic()
+        if msg.type in ("hello", "heartbeat", "bye"):
+            self.reports[msg.server_id] = books.report(msg.counters, final=msg.type == "bye", life=self.life)
         if msg.type == "bye":
             self.servers.pop(msg.server_id, None)
             return

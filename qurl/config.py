@@ -86,6 +86,7 @@ class AlgoConfig:
     advantage: str = "grpo"  # grpo | drgrpo | rloo
     loss_agg: str = "token-mean"
     dynamic_sampling: bool = False
+    drift_kl_threshold: float = 0.05  # first batch's mismatch/kl_k3 above this: warn (wrong model, tokenizer or push)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
 
@@ -117,6 +118,7 @@ class TrainConfig:
 @dataclass
 class AsyncConfig:
     max_staleness: int = 1
+    wait_timeout_s: float = 3600.0  # the learner stops (exit 1, after a checkpoint) when no group arrives this long; 0: wait forever
 
 
 @dataclass
@@ -226,6 +228,8 @@ BOUNDS: dict[str, tuple[float, bool, Optional[float]]] = {
     "train.steps": (1, True, None),
     "train.grad_clip": (0, False, None),
     "async.max_staleness": (0, True, None),
+    "async.wait_timeout_s": (0, True, None),
+    "algo.drift_kl_threshold": (0, False, None),
     "cluster.learner_ranks": (1, True, None),
     "cluster.rollout_servers": (1, True, None),
     "sync.full_every": (1, True, None),

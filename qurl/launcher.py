@@ -14,6 +14,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from qurl import books
 from qurl.cli import parse
 from qurl.config import get, run_dir, to_yaml
 from qurl.report import plot_curves, read_metrics, write_summary
@@ -183,8 +184,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         progress.close()
         _shutdown(learner, servers)
     wall = time.time() - started
+    ledger = books.close_run(out, learner_ended_cleanly=learner.poll() == 0)
     summary = write_summary(out, config_yaml, wall, {"restarts": {s.name: s.restarts for s in servers},
-                                                     "exit_code": code})
+                                                     "exit_code": code, "books": ledger})
     plot_curves(out)
     _print_summary(summary, out, code, config_path)
     return code
@@ -259,5 +261,8 @@ def _print_summary(summary: dict, out: str, code: int, config_path: str) -> None
              f"in {summary['wall_s']:.0f} s"]
     if acc["first"] is not None and acc["final"] is not None:
         lines.append(f"  held-out accuracy (quantized engine): {acc['first']:.3f} -> {acc['final']:.3f}")
+    b = summary["books"]
+    lines.append(f"  books: {b['generated']} groups generated, {b['used']} used, {b['dropped_stale']} dropped stale; "
+                 + ("balanced" if b["balanced"] else "DO NOT BALANCE: " + "; ".join(b["problems"])))
     lines.append(f"  outputs: {out}/summary.json, {out}/curves.png, {out}/metrics.jsonl, {out}/checkpoints/")
     print("\n".join(lines), file=sys.stderr)

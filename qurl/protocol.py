@@ -367,6 +367,7 @@ class ReplayGuard:
     def __init__(self, max_sessions: int = 4096) -> None:
         self.max_sessions = max_sessions
         self._last: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.last_stamp: tuple[str, str, int] | None = None  # of the last accepted message, for the learner's books
 
     def check(self, sender: str, session: str, seq: int) -> None:
         last = self._last.get((sender, session))
@@ -376,6 +377,7 @@ class ReplayGuard:
     def commit(self, sender: str, session: str, seq: int) -> None:
         key = (sender, session)
         self._last[key] = seq
+        self.last_stamp = (sender, session, seq)
         self._last.move_to_end(key)
         if len(self._last) > self.max_sessions:  # oldest session forgotten, documented limit
             self._last.popitem(last=False)

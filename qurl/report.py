@@ -58,6 +58,9 @@ def write_summary(run_dir: str, config_yaml: str, wall_s: float, extra: Optional
         "dropped_stale": _last(rows, "buffer/dropped_stale"),
         "skipped_steps": _last(rows, "train/skipped_steps"),
         "sync_bytes": sum(r.get("sync/bytes", 0) for r in rows),
+        # samples trained on, by how their reward was obtained (timeout / error / nan score 0 and are counted)
+        "reward_status": {k[len("reward/status_"):]: sum(r.get(k, 0) for r in rows)
+                          for k in sorted({k for r in rows for k in r if k.startswith("reward/status_")})},
     }
     summary.update(extra or {})
     with open(os.path.join(run_dir, "summary.json"), "w") as f:

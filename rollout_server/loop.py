@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -12,8 +13,8 @@ from typing import Any, Optional
 import numpy as np
 import zmq
 
-from qurl import protocol
-from qurl.config import get
+from qurl import books, protocol
+from qurl.config import get, run_dir
 from qurl.data import Example, PromptDataset
 from qurl.evaluate import EvalSet
 from qurl.protocol import Status, TrajectoryGroup, WeightPush
@@ -177,6 +178,8 @@ class RolloutLoop:
         self.weights_rx = Receiver(sockets.sub, secret=secret, max_bytes=sockets.sub.getsockopt(zmq.MAXMSGSIZE),
                                    kinds=("weight_push",))
         self.running: dict[int, Group] = {}  # engine request id (draw index) -> group
+        self.scoring = 0  # generated groups at the scorer
+        self.run_dir = run_dir(cfg)
         self.n = get(cfg, "rollout.n_samples")
         self.max_batch = get(cfg, "rollout.max_batch")
         self.seed = get(cfg, "run.seed")
@@ -221,6 +224,8 @@ class RolloutLoop:
             self._enqueue(group, rewards)
         self.outbox.flush()
         self._status("bye")
+        if os.path.isdir(self.run_dir):  # evidence for the run's books that outlives the learner
+            books.write_exit_report(os.path.join(self.run_dir, books.EXIT_REPORTS), self.server_id, self.book_counters())
 
     # -- work ---------------------------------------------------------------------------------
 
@@ -255,12 +260,14 @@ class RolloutLoop:
             self.counters["generated"] += 1
             texts = self.tokenizer.batch_decode([s.token_ids for s in group.samples], skip_special_tokens=True)
             self.scorer.submit(group, [(t, group.example.answer) for t in texts])
+            self.scoring += 1
 
     def _enqueue(self, group: Group | EvalRun, rewards: list[RewardResult]) -> None:
         if isinstance(group, EvalRun):
             self._report_eval(group, rewards)
             return
         self.counters["scored"] += 1
+        self.scoring -= 1
         for r in rewards:
             key = {"timeout": "reward_timeouts", "error": "reward_errors", "nan": "reward_nan"}.get(r.status)
             if key:
@@ -372,10 +379,14 @@ class RolloutLoop:
     def _rejected(self) -> int:
         return sum(self.weights_rx.rejected.values()) + sum(self.control_rx.rejected.values())
 
+    def book_counters(self) -> dict[str, int]:
+        """The counters with `unsent` = groups at the scorer or in the outbox (the books: qurl.books)."""
+        return dict(self.counters, unsent=self.scoring + len(self.outbox.pending))
+
     def _status(self, kind: str) -> None:
         status = Status(type=kind, server_id=self.server_id, version=self.engine.version,
                         engine=self.engine_name, quant=self.scheme, running=len(self.running),
-                        queued=self.scorer.pending + len(self.outbox.pending), counters=dict(self.counters))
+                        queued=self.scorer.pending + len(self.outbox.pending), counters=self.book_counters())
         try:
             self.control.send(status, flags=zmq.NOBLOCK)
         except zmq.Again:  # the learner is away and the queue is full; the next heartbeat says the same

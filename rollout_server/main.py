@@ -52,12 +52,20 @@ def open_sockets(cfg: DictConfig, server_id: str) -> Sockets:
     return Sockets(ctx, push, sub, dealer)
 
 
+def check_vocab(tokenizer_size: int, vocab_size: int, path: str) -> None:
+    """A tokenizer with ids past the model's embedding rows belongs to another model: one line, before anything runs."""
+    if tokenizer_size > vocab_size:
+        raise ValueError(f"model.path={path!r}: the tokenizer has {tokenizer_size} tokens but the model's vocab_size is "
+                         f"{vocab_size}; the tokenizer and the weights belong to different models")
+
+
 def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack) -> RolloutLoop:
     """Tokenizer, prompts, engine, reward pool and sockets, wired into one loop; cleanup closes them."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     path = get(cfg, "model.path")
     tokenizer = AutoTokenizer.from_pretrained(path)
+    check_vocab(len(tokenizer), AutoConfig.from_pretrained(path).vocab_size, path)
     # a prompt must leave room in the KV cache for a full response
     room = get(cfg, "rollout.max_seq_len") - get(cfg, "rollout.sampling.max_new_tokens")
     if room < 1:

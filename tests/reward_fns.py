@@ -31,3 +31,19 @@ def chaos(response: str, answer: str) -> float:
 
 
 not_callable = 42
+
+
+def flaky(response: str, answer: str) -> float:
+    """A verifier that hangs, crashes, raises or returns NaN for some answers (by their value), else the arith reward."""
+    from qurl.rewards import arith_reward
+
+    key = int(answer) % 10
+    if key == 1:
+        time.sleep(3600)
+    if key == 2:
+        os._exit(3)
+    if key == 3:
+        return float("nan")
+    if key == 4:
+        raise ValueError("verifier exploded")
+    return arith_reward(response, answer)

@@ -45,7 +45,7 @@ def test_overrides_apply_and_async_is_spelled_async():
     assert "\nasync:\n  max_staleness: 0\n" in text and "async_" not in text
     assert load_config(None, [], check_paths=False) is not None
     reloaded = yaml.safe_load(text)
-    assert reloaded["async"] == {"max_staleness": 0}
+    assert reloaded["async"] == {"max_staleness": 0, "wait_timeout_s": 3600.0}
 
 
 @pytest.mark.parametrize("override, key", [

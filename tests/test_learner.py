@@ -299,6 +299,12 @@ def test_resume_continues_exactly(tmp_path, demo_dir, batches, one_rank):
         resumed_state = json.load(f)
     with open(os.path.join(one_rank["dir"], "checkpoints", "step_2", "state.json")) as f:
         straight_state = json.load(f)
+    # the books differ by design: a resumed learner is a second life, and the test's servers differ between runs
+    for state in (resumed_state, straight_state):
+        state.pop("reports")
+        state["buffer"].pop("wire")
+    assert resumed_state["buffer"] == {**straight_state["buffer"], "life": 2, "dropped": {"restart": 0}}
+    straight_state["buffer"] = resumed_state["buffer"]
     assert resumed_state == straight_state and resumed_state["version"] == 2
     assert resumed_state["buffer"]["received"] == 2 * PROMPTS
     assert [r["step"] for r in metrics({"dir": run_dir})] == [1, 2]

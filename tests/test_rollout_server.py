@@ -299,8 +299,10 @@ def test_server_end_to_end_fp32(demo_dir, gold, learner, tmp_path):
         # 2. garbage on the weights (PUB) and control (ROUTER) paths: counted, survived
         ident = learner.identity
         good = encode(Status(type="reply", server_id="learner", version=0), sender="fuzz", session="s", seq=0)
+        rng = np.random.default_rng(7)
         junk = [[b"\x00\xff"], [b"{}"], [b'{"kind": "weight_push"}', b"x"], [good[0] + b"}"],
-                [good[0], b"extra frame"]]
+                [good[0], b"extra frame"],
+                *([rng.bytes(int(rng.integers(0, 400))) for _ in range(int(rng.integers(1, 4)))] for _ in range(40))]
         for frames in junk:
             learner.pub.send_multipart(frames)
             learner.router.send_multipart([ident, *frames])
