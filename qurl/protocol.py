@@ -66,6 +66,10 @@ DTYPES: dict[str, np.dtype] = {
 }
 FINISH_REASON_CHARS = 64
 PUSH_MODES = ("full", "delta")
+# a delta push names a changed tensor X as the pair "X@idx" (strictly increasing flat int32 / int64 indices)
+# and "X@val" (the new elements, X's dtype); tensors sent whole keep their own name
+DELTA_INDEX, DELTA_VALUES = "@idx", "@val"
+INDEX_DTYPES = ("int32", "int64")
 # server -> learner: hello, heartbeat, bye, resend_weights (lagging, or a checksum mismatch);
 # learner -> server: reply (its version and the server's budget), resend_status (say hello again)
 STATUS_TYPES = ("hello", "heartbeat", "bye", "reply", "resend_status", "resend_weights", "eval_request",
@@ -247,8 +251,8 @@ class WeightPush:
     version: int
     scheme: str  # quantization scheme the tensors are in, e.g. "int8", "fp8", "bf16"
     tensors: Mapping[str, WireTensor]
-    mode: str = "full"  # "full" or "delta" (delta pushes: issue 11)
-    checksum: str | None = None  # of the resulting codes, checked by the server (issue 11)
+    mode: str = "full"  # "full" or "delta": only what changed since version - 1 (qurl/delta.py)
+    checksum: str | None = None  # of the codes and scales after applying (qurl.delta.checksum)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
@@ -277,7 +281,38 @@ class WeightPush:
                     f"dims, got {t.data.dtype.name} {t.data.shape}"
                 )
             tensors[name] = t
+        _check_delta_pairs(tensors, self.mode)
+        if self.mode == "delta" and self.checksum is None:
+            raise BadField("checksum: a delta push must carry the checksum of the codes it results in")
         object.__setattr__(self, "tensors", tensors)
+
+
+def _check_delta_pairs(tensors: Mapping[str, WireTensor], mode: str) -> None:
+    """Every X@idx has its X@val of equal length; indices are strictly increasing and >= 0; X is not also whole."""
+    for name, t in tensors.items():
+        if "@" not in name:
+            continue
+        base, sep, part = name.rpartition("@")
+        if mode != "delta":
+            raise BadField(f"tensor {name}: '@' names are delta entries, and this push is {mode}")
+        if not base or "@" + part not in (DELTA_INDEX, DELTA_VALUES):
+            raise BadField(f"tensor {name}: a delta entry is named X{DELTA_INDEX} or X{DELTA_VALUES}")
+        if base in tensors:
+            raise BadField(f"tensor {base}: sent both whole and as a delta")
+        other = base + (DELTA_VALUES if "@" + part == DELTA_INDEX else DELTA_INDEX)
+        if other not in tensors:
+            raise BadField(f"tensor {name}: its pair {other} is missing")
+        if "@" + part == DELTA_VALUES:
+            continue
+        values = tensors[other]
+        if t.dtype not in INDEX_DTYPES or t.data.ndim != 1 or values.data.ndim != 1:
+            raise BadField(f"tensor {base}: delta needs 1-D {' or '.join(INDEX_DTYPES)} indices and 1-D values, got "
+                           f"{t.dtype} {list(t.data.shape)} and {values.dtype} {list(values.data.shape)}")
+        if len(t.data) != len(values.data):
+            raise BadField(f"tensor {base}: {len(t.data)} delta indices but {len(values.data)} values")
+        idx = t.data
+        if len(idx) and (idx[0] < 0 or not (np.diff(idx) > 0).all()):
+            raise BadField(f"tensor {base}: delta indices must be >= 0 and strictly increasing")
 
 
 @dataclass(frozen=True, eq=False)
