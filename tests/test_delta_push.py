@@ -7,6 +7,7 @@ sender honours sync.full_every; the SGLang adapter's host copy forwards exactly 
 real rollout server process against the learner's real WeightSender detects a corrupted delta and a missed
 version, asks for a full push, and is healed by it.
 """
+import json
 import os
 import subprocess
 import sys
@@ -343,3 +344,17 @@ def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, t
         sender.close()
         ctx.destroy(linger=0)
         print(log_path.read_text()[-3000:])
+
+
+def test_sync_benchmark_quick(tmp_path):
+    out = tmp_path / "sync.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/sync.py"), "--quick", "--out", str(out)], check=True,
+                   cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "sync" and {"cpu", "cores", "torch", "python"} <= set(report["machine"])
+    summaries = [r for r in report["rows"] if r["kind"] == "summary"]
+    assert {(r["model"], r["s"]) for r in summaries} == {(m, s) for m in ("demo", "qwen2-random-quick") for s in (1.0, 1.5)}
+    for r in summaries:
+        assert 0 < r["changed_frac"] < 1 and r["full_every"] == 10
+        assert r["delta_bytes"] < r["full_bytes"]  # codes that barely move cost less as a delta
+    assert {r["hash"] for r in report["rows"] if r["kind"] == "checksum"} >= {"qurl.delta.checksum", "blake2b-128"}
