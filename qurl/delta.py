@@ -1,8 +1,9 @@
 """Delta weight pushes: send only the quantized codes and scales that changed, and prove the result by checksum.
 
 Most int8 / fp8 codes do not move between two optimizer steps (docs/paper.md section 4), so a push for version V
-may carry, per code or scale tensor, the flat indices and new values of what changed since V-1, whichever of
-that and the whole tensor is smaller; every other tensor (embeddings, norms, biases) travels whole. Every push
+may carry, per code or scale tensor, the new values of what changed since V-1 and where they go (flat indices,
+or a bit mask when many changed), whichever of that and the whole tensor is smaller; every other tensor
+(embeddings, norms, biases) travels whole. Every push
 carries `checksum` of the resulting codes and scales, so a server proves its buffers equal the learner's.
 A delta applies only on top of exactly V-1 (the server checks its version); `apply` is all or nothing.
 """
@@ -12,10 +13,11 @@ import zlib
 from collections.abc import Mapping
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from qurl.protocol import (DELTA_INDEX, DELTA_VALUES, BadFrame, ProtocolError, WeightPush, from_torch,
-                           to_torch)
+from qurl.protocol import (DELTA_INDEX, DELTA_MASK, DELTA_VALUES, BadFrame, ProtocolError, WeightPush, WireTensor,
+                           from_torch, to_torch)
 
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SCALE_SUFFIXES = ("_scale", "_scale_inv")
@@ -71,19 +73,37 @@ def diff(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> tu
             continue
         if t.numel() < 2**31:
             idx = idx.to(torch.int32)
-        if idx.numel() * (idx.element_size() + t.element_size()) < t.numel() * t.element_size():
+        if min(_index_bytes(idx), _mask_bytes(idx)) + idx.numel() * t.element_size() < t.numel() * t.element_size():
             deltas[name] = Delta(idx, flat[idx.long()])
         else:
             whole[name] = t
     return whole, deltas
 
 
+def _index_bytes(idx: torch.Tensor) -> int:
+    return idx.numel() * idx.element_size()
+
+
+def _mask_bytes(idx: torch.Tensor) -> int:
+    return (int(idx[-1]) + 8) // 8 if idx.numel() else 0
+
+
+def _mask(idx: torch.Tensor) -> np.ndarray:
+    """Bit i of the result (LSB first) is set iff i is in idx; as many bytes as reach the last index."""
+    bits = np.zeros(_mask_bytes(idx) * 8, dtype=bool)
+    bits[idx.numpy()] = True
+    return np.packbits(bits, bitorder="little")
+
+
 def delta_push(version: int, scheme: str, whole: Mapping[str, torch.Tensor], deltas: Mapping[str, Delta],
                checksum: str) -> WeightPush:
-    """The wire form of a delta push: whole tensors under their names, deltas as X@idx / X@val pairs."""
+    """The wire form of a delta push: whole tensors under their names, deltas as X@val with X@idx or X@mask."""
     tensors = {name: from_torch(t) for name, t in whole.items()}
     for name, d in deltas.items():
-        tensors[name + DELTA_INDEX] = from_torch(d.indices)
+        if _mask_bytes(d.indices) < _index_bytes(d.indices):
+            tensors[name + DELTA_MASK] = WireTensor(_mask(d.indices), "uint8")
+        else:
+            tensors[name + DELTA_INDEX] = from_torch(d.indices)
         tensors[name + DELTA_VALUES] = from_torch(d.values)
     return WeightPush(version=version, scheme=scheme, tensors=tensors, mode="delta", checksum=checksum)
 
@@ -93,11 +113,15 @@ def split_push(push: WeightPush) -> tuple[dict[str, torch.Tensor], dict[str, Del
     whole: dict[str, torch.Tensor] = {}
     deltas: dict[str, Delta] = {}
     for name, t in push.tensors.items():
-        if name.endswith(DELTA_INDEX):
-            base = name[: -len(DELTA_INDEX)]
-            values = push.tensors[base + DELTA_VALUES]
-            deltas[base] = Delta(to_torch(t.data, t.dtype), to_torch(values.data, values.dtype))
-        elif not name.endswith(DELTA_VALUES):
+        if name.endswith(DELTA_VALUES):
+            base = name[: -len(DELTA_VALUES)]
+            if base + DELTA_MASK in push.tensors:
+                bits = np.unpackbits(push.tensors[base + DELTA_MASK].data, bitorder="little")
+                indices = torch.from_numpy(np.flatnonzero(bits))
+            else:
+                indices = to_torch(push.tensors[base + DELTA_INDEX].data, push.tensors[base + DELTA_INDEX].dtype)
+            deltas[base] = Delta(indices, to_torch(t.data, t.dtype))
+        elif not name.endswith((DELTA_INDEX, DELTA_MASK)):
             whole[name] = to_torch(t.data, t.dtype)
     return whole, deltas
 
@@ -119,8 +143,11 @@ def check(buffers: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor]
             raise BadFrame(f"{name}: delta values are {d.values.dtype}, the engine holds {dst.dtype}")
         if not dst.is_contiguous():
             raise BadFrame(f"{name}: the engine's buffer is not contiguous, a flat delta cannot address it")
-        if d.indices.numel() and int(d.indices[-1]) >= dst.numel():
-            raise BadFrame(f"{name}: delta index {int(d.indices[-1])} is out of range for {list(dst.shape)}")
+        if d.indices.dim() != 1 or d.indices.shape != d.values.shape:
+            raise BadFrame(f"{name}: {list(d.indices.shape)} delta indices for {list(d.values.shape)} values")
+        if d.indices.numel() and not 0 <= int(d.indices.min()) <= int(d.indices.max()) < dst.numel():
+            raise BadFrame(f"{name}: delta indices {int(d.indices.min())}..{int(d.indices.max())} are out of range "
+                           f"for {list(dst.shape)}")
 
 
 @torch.no_grad()

@@ -86,6 +86,8 @@ def test_delta_round_trip_equals_the_full_push_bit_for_bit(trajectory, scheme):
     whole, deltas = delta.split_push(push)
     assert deltas, "the weights moved: some code tensors must travel as deltas"
     assert not set(deltas) & set(whole)
+    forms = {n.rpartition("@")[2] for n in push.tensors if "@" in n}
+    assert forms == {"idx", "mask", "val"}, "at a few percent changed, some tensors take indices and some a mask"
     buffers = {k: v.clone() for k, v in v0.items()}
     delta.apply(buffers, whole, deltas, push.checksum)
     assert same(buffers, v1)
@@ -147,10 +149,10 @@ def test_a_bad_delta_changes_nothing(model_dir, trajectory):
 
 
 def _small_delta() -> WeightPush:
-    old = {"l.q_proj.weight": torch.zeros(4, 4, dtype=torch.int8), "l.q_proj.weight_scale": torch.ones(4, 1)}
-    new = {"l.q_proj.weight": old["l.q_proj.weight"].clone(), "l.q_proj.weight_scale": torch.ones(4, 1)}
+    old = {"l.q_proj.weight": torch.zeros(64, 64, dtype=torch.int8), "l.q_proj.weight_scale": torch.ones(64, 1)}
+    new = {"l.q_proj.weight": old["l.q_proj.weight"].clone(), "l.q_proj.weight_scale": torch.ones(64, 1)}
     new["l.q_proj.weight"][1, 2] = 5
-    new["l.q_proj.weight"][3, 0] = -7
+    new["l.q_proj.weight"][46, 56] = -7  # two changes far apart: indices are smaller than a mask
     push = delta_of(old, new, 2)
     assert set(push.tensors) == {"l.q_proj.weight@idx", "l.q_proj.weight@val"}
     return push
@@ -173,7 +175,7 @@ def _entry(name: str, key: str, value, **more):
 
 
 def _swap_values(frames):
-    """Indices [6, 12] written as [12, 6]: the same bytes, not increasing."""
+    """Indices [66, 3000] written as [3000, 66]: the same bytes, not increasing."""
     h = header_of(frames)
     bucket = bytearray(frames[1])
     e = next(e for e in h["tensors"] if e["name"] == "l.q_proj.weight@idx")
@@ -184,15 +186,41 @@ def _swap_values(frames):
 
 MALFORMED = [
     (_entry("l.q_proj.weight@idx", "shape", [3]), BadFrame, "do not fit"),  # a lying shape
-    (_entry("l.q_proj.weight@idx", "shape", [1], nbytes=4), BadField, "2 values"),  # consistent frame, unequal pair
+    (_entry("l.q_proj.weight@idx", "shape", [1], nbytes=4), BadField, "places 1 elements but carries 2"),  # consistent frame, unequal pair
     (_entry("l.q_proj.weight@idx", "dtype", "float32"), BadField, "int32 or int64"),
     (_entry("l.q_proj.weight@idx", "name", "l.q_proj.weight@index"), BadField, "named X@idx"),
+    (_entry("l.q_proj.weight@val", "name", "l.v_proj.weight@val"), BadField, "pair l.q_proj.weight@val is missing"),
     (_entry("l.q_proj.weight@idx", "name", "l.q_proj.weight"), BadField, "both whole and as a delta"),
     (_entry("l.q_proj.weight@idx", "name", "l.k_proj.weight@idx"), BadField, "pair l.k_proj.weight@val is missing"),
     (_edit(lambda h: h.update(mode="full")), BadField, "this push is full"),
     (_edit(lambda h: h.update(checksum=None)), BadField, "must carry the checksum"),
     (_swap_values, BadField, "strictly increasing"),
 ]
+
+
+def _mask_delta() -> WeightPush:
+    """Half the codes change: the positions travel as a bit mask."""
+    old = {"l.q_proj.weight": torch.zeros(4, 4, dtype=torch.int8), "l.q_proj.weight_scale": torch.ones(4, 1)}
+    new = {"l.q_proj.weight": old["l.q_proj.weight"].clone(), "l.q_proj.weight_scale": torch.ones(4, 1)}
+    new["l.q_proj.weight"].view(-1)[::2] = 3
+    push = delta_of(old, new, 2)
+    assert set(push.tensors) == {"l.q_proj.weight@mask", "l.q_proj.weight@val"}
+    return push
+
+
+MASK_MALFORMED = [
+    (_entry("l.q_proj.weight@val", "shape", [7], nbytes=7), BadField, "places 8 elements but carries 7"),
+    (_entry("l.q_proj.weight@mask", "dtype", "int8"), BadField, "mask is uint8"),
+    (_entry("l.q_proj.weight@mask", "name", "l.q_proj.weight@idx"), BadField, "int32 or int64"),
+]
+
+
+@pytest.mark.parametrize("mutate, error, match", MASK_MALFORMED)
+def test_malformed_delta_masks_are_protocol_errors(mutate, error, match):
+    frames = enc(_mask_delta())
+    assert dec(frames).mode == "delta"
+    with pytest.raises(error, match=match):
+        dec(mutate(frames))
 
 
 @pytest.mark.parametrize("mutate, error, match", MALFORMED)
