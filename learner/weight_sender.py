@@ -26,6 +26,7 @@ from qurl.transport import Receiver, Sender
 log = logging.getLogger("learner")
 
 REPUSH_INTERVAL_S = 2.0  # a lagging server gets the current weights again at most this often
+LAG_GRACE_S = 5.0  # a heartbeat may lag this long after a push (in flight, being applied) before a full repush
 POLL_MS = 100
 SERVER_GONE_S = 30.0  # a server silent this long leaves the status line
 
@@ -67,6 +68,7 @@ class WeightSender:
         self.pushes = 0
         self.repushes = 0
         self._full: Optional[WeightPush] = None  # the current version, whole: what lagging servers get
+        self._built_at = -float("inf")  # monotonic time the current version was built
         self._sent: dict[str, torch.Tensor] = {}  # the tensors of the last version built (a delta's base)
         self._eval_wanted: Optional[int] = None  # handed to the next server that checks in
         self._eval_results: list[tuple[int, dict]] = []
@@ -112,8 +114,7 @@ class WeightSender:
         codes = _codes(tensors)
         stats = PushStats(0.0, _nbytes(push), _changed_frac(self._codes, codes), _nbytes(full), push.mode)
         with self._lock:
-            self._full = full
-            self.version = version
+            self._full, self.version, self._built_at = full, version, time.monotonic()
         self._codes, self._sent = codes, tensors
         stats.seconds = time.perf_counter() - started
         return push, stats
@@ -190,7 +191,9 @@ class WeightSender:
                     self._eval_wanted = None
                 except zmq.Again:
                     pass
-            lagging = msg.type == "resend_weights" or msg.version < version
+            # a heartbeat sent before the newest push arrived is not yet lagging: a full repush would undo a delta's savings
+            lagging = msg.type == "resend_weights" or msg.version < version and (
+                msg.type == "hello" or now - self._built_at >= LAG_GRACE_S)
             if push is not None and lagging and now - info.repushed_at >= REPUSH_INTERVAL_S:
                 info.repushed_at = now
                 self.pub.send(push)

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from learner.weight_sender import WeightSender
 from qurl import delta, sglang_payload, transport
-from qurl.protocol import BadField, BadFrame, WeightPush, decode, encode, from_torch
+from qurl.protocol import BadField, BadFrame, Status, WeightPush, decode, encode, from_torch
 from qurl.quant import quantize_state_dict
 from rollout_server.engines import load_engine
 from rollout_server.engines import sglang_engine as se
@@ -264,6 +264,36 @@ def test_sender_honours_full_every(trajectory):
         plain = {k: v for k, v in versions[1].items() if v.is_floating_point() and not k.endswith("_scale")}
         s = sender(10, "none")
         assert [s.build(v, plain)[0].mode for v in (1, 2)] == ["full", "full"]  # no codes: nothing to delta
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_heartbeat_lagging_just_after_a_push_gets_no_full_repush(trajectory):
+    """Heartbeats sent before a delta landed must not each bring a full push; a hello or a request does."""
+    versions = trajectory["int8"]
+    ctx = zmq.Context()
+    try:
+        pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
+        router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
+        sender = WeightSender(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
+                              transport.Sender(router, "learner"), "int8", counts=lambda sid: (0, 0), full_every=10)
+        sender.start()
+        dealer = transport.connect(ctx, zmq.DEALER, router.last_endpoint.decode(), max_bytes=1 << 20)
+        tx, rx = transport.Sender(dealer, "srv"), transport.Receiver(dealer, secret=None, max_bytes=1 << 20)
+
+        def say(kind: str, version: int) -> None:
+            """Send, then wait for the reply to a current heartbeat: the control thread is done with `kind`."""
+            tx.send(Status(type=kind, server_id="srv", version=version))
+            tx.send(Status(type="heartbeat", server_id="srv", version=2))
+            assert rx.recv(timeout_ms=5000).type == "reply" and rx.recv(timeout_ms=5000).type == "reply"
+
+        sender.publish(1, versions[1])
+        sender.publish(2, versions[2])
+        say("heartbeat", 1)
+        assert sender.repushes == 0
+        say("resend_weights", 1)
+        assert sender.repushes == 1
+        sender.close()
     finally:
         ctx.destroy(linger=0)
 

@@ -310,6 +310,9 @@ class SGLangEngine:
         """
         check_push(self.expected, whole, partial=True)
         changed = apply_to_host(self.host, whole, deltas, checksum)
+        if not changed:  # nothing moved: SGLang refuses an empty update, and needs none
+            self._version = int(version)
+            return
         self._session(iter(payload.buckets(payload.named_tensors(changed, self.scheme), self.bucket_bytes)), version)
 
     def _checkpoint_buckets(self, path: str) -> Iterator[payload.Named]:
