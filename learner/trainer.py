@@ -246,7 +246,8 @@ class Learner:
             transport.Receiver(socks["control"], secret=secret, max_bytes=CONTROL_MAX_BYTES, kinds=("status",)),
             transport.Sender(socks["control"], sender_id, secret=secret),
             self.scheme,
-            counts=lambda sid: (self.buffer.accepted_total, self.buffer.received_from.get(sid, 0)))
+            counts=lambda sid: (self.buffer.accepted_total, self.buffer.received_from.get(sid, 0)),
+            full_every=cfg.sync.full_every)
         self._tokens_mark = 0
 
     def _resume_or_start(self) -> None:
@@ -545,7 +546,8 @@ class Learner:
             return {}
         stats = self.sender.publish(self.progress.version, tensors)
         return {"sync/seconds": time.perf_counter() - started, "sync/bytes": stats.bytes,
-                "sync/changed_frac": stats.changed_frac}
+                "sync/changed_frac": stats.changed_frac, "sync/full_bytes": stats.full_bytes,
+                "sync/delta": int(stats.mode == "delta")}
 
     # -- evaluation (rank 0) --------------------------------------------------------------------------
 

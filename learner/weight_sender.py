@@ -1,5 +1,9 @@
 """Rank 0's weight push (PUB) and control channel (ROUTER), so that every server, late or restarted, runs current weights.
 
+Pushes are full every `sync.full_every` versions and deltas of the previous version between (qurl/delta.py);
+a server that lags, restarts or finds a checksum mismatch asks (or is seen to lag) and gets a full push of the
+current version.
+
 The control channel is served by a thread so that heartbeats are answered during long train steps; the
 PUB socket is shared with it under a lock (a lock is the full memory barrier zmq asks for).
 """
@@ -14,7 +18,7 @@ from typing import Callable, Optional
 import torch
 import zmq
 
-from qurl import books
+from qurl import books, delta
 from qurl.protocol import Status, WeightPush, from_torch
 from qurl.quant import changed_fraction
 from qurl.transport import Receiver, Sender
@@ -22,6 +26,7 @@ from qurl.transport import Receiver, Sender
 log = logging.getLogger("learner")
 
 REPUSH_INTERVAL_S = 2.0  # a lagging server gets the current weights again at most this often
+LAG_GRACE_S = 5.0  # a heartbeat may lag this long after a push (in flight, being applied) before a full repush
 POLL_MS = 100
 SERVER_GONE_S = 30.0  # a server silent this long leaves the status line
 
@@ -41,27 +46,32 @@ class ServerInfo:
 @dataclass
 class PushStats:
     seconds: float
-    bytes: int
+    bytes: int  # of the push as sent (delta or full)
     changed_frac: float
+    full_bytes: int  # of a full push of the same version
+    mode: str
 
 
 class WeightSender:
     """Publishes WeightPush messages and answers hello / heartbeat with (version, accepted_total, received)."""
 
     def __init__(self, pub: Sender, control: Receiver, control_tx: Sender, scheme: str,
-                 counts: Callable[[str], tuple[int, int]], version: int = 0) -> None:
+                 counts: Callable[[str], tuple[int, int]], version: int = 0, full_every: int = 1) -> None:
         self.pub = pub
         self.control = control
         self.control_tx = control_tx
         self.scheme = scheme
         self.counts = counts  # server id -> (accepted_total, received from it)
         self.version = version
+        self.full_every = full_every
         self.servers: dict[str, ServerInfo] = {}
         self.reports: dict[str, dict] = {}  # server id -> its last book counters (qurl.books), kept after its bye
         self.life = 1  # the learner life (1 + resumes) the reports are stamped with
         self.pushes = 0
         self.repushes = 0
-        self._push: Optional[WeightPush] = None
+        self._full: Optional[WeightPush] = None  # the current version, whole: what lagging servers get
+        self._built_at = -float("inf")  # monotonic time the current version was built
+        self._sent: dict[str, torch.Tensor] = {}  # the tensors of the last version built (a delta's base)
         self._eval_wanted: Optional[int] = None  # handed to the next server that checks in
         self._eval_results: list[tuple[int, dict]] = []
         self._codes: dict[str, torch.Tensor] = {}
@@ -84,17 +94,38 @@ class WeightSender:
     def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> PushStats:
         """Send `tensors` (quantize_state_dict's output) as version `version`; remember them for late joiners."""
         started = time.perf_counter()
-        push = WeightPush(version=version, scheme=self.scheme,
+        push, stats = self.build(version, tensors)
+        self.send(push)
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def build(self, version: int, tensors: dict[str, torch.Tensor]) -> tuple[WeightPush, PushStats]:
+        """Version `version` as a delta of the previous one or whole, and adopt it as current (not sent yet).
+
+        Whole when there is no previous version to build on (start, resume), every full_every versions, and
+        for schemes without codes.
+        """
+        started = time.perf_counter()
+        check = delta.checksum(tensors)
+        full = WeightPush(version=version, scheme=self.scheme, checksum=check,
                           tensors={name: from_torch(t) for name, t in tensors.items()})
+        push = full
+        if self._sent and version == self.version + 1 and version % self.full_every and delta.checked_names(tensors):
+            whole, deltas = delta.diff(self._sent, tensors)
+            push = delta.delta_push(version, self.scheme, whole, deltas, check)
         codes = _codes(tensors)
-        changed = _changed_frac(self._codes, codes)
+        stats = PushStats(0.0, _nbytes(push), _changed_frac(self._codes, codes), _nbytes(full), push.mode)
         with self._lock:
-            self._push = push
-            self.version = version
+            self._full, self.version, self._built_at = full, version, time.monotonic()
+        self._codes, self._sent = codes, tensors
+        stats.seconds = time.perf_counter() - started
+        return push, stats
+
+    def send(self, push: WeightPush) -> None:
+        """Publish one push to every server."""
+        with self._lock:
             self.pub.send(push)
             self.pushes += 1
-        self._codes = codes
-        return PushStats(time.perf_counter() - started, sum(t.nbytes for t in tensors.values()), changed)
 
     def request_eval(self, version: int) -> None:
         """Ask one rollout server to evaluate `version` (or newer) with its quantized engine."""
@@ -150,7 +181,7 @@ class WeightSender:
             info.counters = dict(msg.counters)
         accepted, received = self.counts(msg.server_id)
         with self._lock:
-            version, push = self.version, self._push
+            version, push = self.version, self._full
             reply = Status(type="reply", server_id=msg.server_id, version=version,
                            counters={"accepted_total": accepted, "received": received})
             try:
@@ -164,11 +195,17 @@ class WeightSender:
                     self._eval_wanted = None
                 except zmq.Again:
                     pass
-            lagging = msg.type == "resend_weights" or msg.version < version
+            # a heartbeat sent before the newest push arrived is not yet lagging: a full repush would undo a delta's savings
+            lagging = msg.type == "resend_weights" or msg.version < version and (
+                msg.type == "hello" or now - self._built_at >= LAG_GRACE_S)
             if push is not None and lagging and now - info.repushed_at >= REPUSH_INTERVAL_S:
                 info.repushed_at = now
                 self.pub.send(push)
                 self.repushes += 1
+
+
+def _nbytes(push: WeightPush) -> int:
+    return sum(t.data.nbytes for t in push.tensors.values())
 
 
 def _codes(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

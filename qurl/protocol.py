@@ -66,6 +66,11 @@ DTYPES: dict[str, np.dtype] = {
 }
 FINISH_REASON_CHARS = 64
 PUSH_MODES = ("full", "delta")
+# a delta push names a changed tensor X as "X@val" (the new elements, X's dtype) plus where they go: either
+# "X@idx" (strictly increasing flat int32 / int64 indices) or "X@mask" (uint8, one bit per flat element from
+# element 0, least significant bit first, as many bytes as reach the last change); tensors sent whole keep their name
+DELTA_INDEX, DELTA_MASK, DELTA_VALUES = "@idx", "@mask", "@val"
+INDEX_DTYPES = ("int32", "int64")
 # server -> learner: hello, heartbeat, bye, resend_weights (lagging, or a checksum mismatch);
 # learner -> server: reply (its version and the server's budget), resend_status (say hello again)
 STATUS_TYPES = ("hello", "heartbeat", "bye", "reply", "resend_status", "resend_weights", "eval_request",
@@ -247,8 +252,8 @@ class WeightPush:
     version: int
     scheme: str  # quantization scheme the tensors are in, e.g. "int8", "fp8", "bf16"
     tensors: Mapping[str, WireTensor]
-    mode: str = "full"  # "full" or "delta" (delta pushes: issue 11)
-    checksum: str | None = None  # of the resulting codes, checked by the server (issue 11)
+    mode: str = "full"  # "full" or "delta": only what changed since version - 1 (qurl/delta.py)
+    checksum: str | None = None  # of the codes and scales after applying (qurl.delta.checksum)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
@@ -277,7 +282,49 @@ class WeightPush:
                     f"dims, got {t.data.dtype.name} {t.data.shape}"
                 )
             tensors[name] = t
+        _check_delta_pairs(tensors, self.mode)
+        if self.mode == "delta" and self.checksum is None:
+            raise BadField("checksum: a delta push must carry the checksum of the codes it results in")
         object.__setattr__(self, "tensors", tensors)
+
+
+def _check_delta_pairs(tensors: Mapping[str, WireTensor], mode: str) -> None:
+    """Every X@val has one X@idx or X@mask that places exactly its values; indices rise from 0 up; X is not also whole."""
+    parts = (DELTA_INDEX, DELTA_MASK, DELTA_VALUES)
+    for name, t in tensors.items():
+        if "@" not in name:
+            continue
+        base, _, part = name.rpartition("@")
+        if mode != "delta":
+            raise BadField(f"tensor {name}: '@' names are delta entries, and this push is {mode}")
+        if not base or "@" + part not in parts:
+            raise BadField(f"tensor {name}: a delta entry is named X{DELTA_INDEX}, X{DELTA_MASK} or X{DELTA_VALUES}")
+        if base in tensors:
+            raise BadField(f"tensor {base}: sent both whole and as a delta")
+        if "@" + part != DELTA_VALUES:
+            if base + DELTA_VALUES not in tensors:
+                raise BadField(f"tensor {name}: its pair {base}{DELTA_VALUES} is missing")
+            continue
+        where = [base + p for p in (DELTA_INDEX, DELTA_MASK) if base + p in tensors]
+        if len(where) != 1:
+            raise BadField(f"tensor {name}: needs exactly one of its pairs {base}{DELTA_INDEX} or {base}{DELTA_MASK}, "
+                           f"got {len(where)}")
+        pos = tensors[where[0]]
+        if t.data.ndim != 1 or pos.data.ndim != 1:
+            raise BadField(f"tensor {base}: delta entries must be 1-D, got {list(pos.data.shape)} and {list(t.data.shape)}")
+        if where[0].endswith(DELTA_MASK):
+            if pos.dtype != "uint8":
+                raise BadField(f"tensor {base}: a delta mask is uint8, got {pos.dtype}")
+            count = int(np.bitwise_count(pos.data).sum())
+        else:
+            if pos.dtype not in INDEX_DTYPES:
+                raise BadField(f"tensor {base}: delta indices must be {' or '.join(INDEX_DTYPES)}, got {pos.dtype}")
+            idx = pos.data
+            if len(idx) and (idx[0] < 0 or not (np.diff(idx) > 0).all()):
+                raise BadField(f"tensor {base}: delta indices must be >= 0 and strictly increasing")
+            count = len(idx)
+        if count != len(t.data):
+            raise BadField(f"tensor {base}: the delta places {count} elements but carries {len(t.data)} values")
 
 
 @dataclass(frozen=True, eq=False)

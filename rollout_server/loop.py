@@ -23,6 +23,7 @@ from qurl.transport import Receiver, Sender
 from rollout_server.admission import Admission
 from rollout_server.engines import GenRequest
 from rollout_server.engines import Sample as EngineSample
+from rollout_server.weights import WeightReceiver
 
 log = logging.getLogger("rollout_server")
 
@@ -180,6 +181,7 @@ class RolloutLoop:
         self.running: dict[int, Group] = {}  # engine request id (draw index) -> group
         self.scoring = 0  # generated groups at the scorer
         self.run_dir = run_dir(cfg)
+        self.weights = WeightReceiver(engine, scheme, self.counters, lambda: self._status("resend_weights"))
         self.n = get(cfg, "rollout.n_samples")
         self.max_batch = get(cfg, "rollout.max_batch")
         self.seed = get(cfg, "run.seed")
@@ -323,44 +325,16 @@ class RolloutLoop:
             log.warning("could not send the eval result of version %d: control queue full", run.version)
 
     def _poll_weights(self) -> None:
-        """Drain the SUB socket and apply the newest push, if it is newer than what the engine holds."""
+        """Drain the SUB socket and apply what it brought, in version order (rollout_server/weights.py)."""
         if self.eval_run is not None:  # every eval token comes from one version
             return
-        newest: Optional[WeightPush] = None
+        pushes: list[WeightPush] = []
         while self.sockets.sub.poll(0):
             msg = self.weights_rx.recv(timeout_ms=0)
-            if msg is None:
-                continue
-            if newest is not None:  # one of the two is superseded
-                self.counters["weight_pushes_ignored"] += 1
-            if newest is None or msg.version > newest.version:
-                newest = msg
+            if msg is not None:
+                pushes.append(msg)
         self.counters["bad_messages"] = self._rejected()
-        if newest is None:
-            return
-        if newest.version <= self.engine.version:  # a re-publish for a server that lags, or a stale one
-            self.counters["weight_pushes_ignored"] += 1
-            return
-        if newest.scheme != self.scheme:
-            self._reject_push(newest, f"scheme {newest.scheme!r}, this engine holds {self.scheme!r}")
-            return
-        if newest.mode != "full":
-            self._reject_push(newest, f"mode {newest.mode!r} is not supported yet")
-            return
-        started = time.perf_counter()
-        try:
-            named = {name: protocol.to_torch(t.data, t.dtype) for name, t in newest.tensors.items()}
-            self.engine.update_weights(named, newest.version)
-        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-            self._reject_push(newest, str(exc))
-            return
-        self.counters["weight_pushes_applied"] += 1
-        log.info("applied weights version %d (%d tensors) in %.3f s", newest.version, len(named),
-                 time.perf_counter() - started)
-
-    def _reject_push(self, push: WeightPush, why: str) -> None:
-        self.counters["weight_pushes_rejected"] += 1
-        log.error("rejected weight push version %d: %s", push.version, " ".join(why.split())[:300])
+        self.weights.apply(pushes)
 
     def _poll_control(self) -> None:
         while self.sockets.dealer.poll(0):

@@ -76,6 +76,11 @@ def test_demo_run_writes_every_output(demo_dir, tmp_path):
     assert any(f.startswith("events") for f in os.listdir(run_dir / "tensorboard"))
     assert (run_dir / "checkpoints" / "step_4" / "manifest.json").exists()
     assert {"learner.log", "rollout-0.log"} <= set(os.listdir(run_dir / "logs"))
+    # versions 2.. travel as deltas (sync.full_every=10), and the server's checksums all match
+    assert [r["sync/delta"] for r in rows] == [0, 1, 1, 1]
+    server_log = (run_dir / "logs" / "rollout-0.log").read_text()
+    assert "applied delta weights version 4" in server_log and "'weight_checksum_mismatches': 0" in server_log
+    assert "weight push version" not in server_log  # no push was rejected
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(run_dir / "hf") is not None

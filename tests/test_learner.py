@@ -21,10 +21,10 @@ import yaml
 import zmq
 from safetensors.torch import load_file
 
-from qurl import transport
+from qurl import delta, transport
 from qurl.data import PromptDataset
 from qurl.metrics import CONTRACT_KEYS
-from qurl.protocol import Sample, Status, TrajectoryGroup, WeightPush, to_torch
+from qurl.protocol import Sample, Status, TrajectoryGroup, WeightPush
 from qurl.quant import dequantize_state_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,7 +225,9 @@ def test_two_ranks_train_push_and_serve_late_joiners(two_ranks):
     # the pushed int8 weights are the learner's scaled fp32 weights within half a quantization step
     push = two_ranks["push2"]
     assert push.version == 2 and push.scheme == "int8"
-    named = {k: to_torch(t.data, t.dtype).clone() for k, t in push.tensors.items()}
+    assert two_ranks["push1"].mode == "full" and push.mode == "delta"  # sync.full_every=10: a delta of version 1
+    named = {k: v.clone() for k, v in delta.split_push(two_ranks["push1"])[0].items()}
+    delta.apply(named, *delta.split_push(push), push.checksum)
     assert "lm_head.weight" not in named  # tied embeddings: the engine takes the embedding only
     deq = dequantize_state_dict(named, "int8")
     learner = ckpt(two_ranks, 2)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from qurl import delta
 from qurl import sglang_payload as payload
 from qurl.quant import is_quantized_linear, quantize_state_dict
 from rollout_server.engines import GenRequest, GenResult, Sample, check_names, run_to_completion
@@ -177,6 +178,26 @@ def check_push(expected: dict, tensors: dict[str, torch.Tensor], partial: bool =
             raise ValueError(f"update_weights: {name} is {t.dtype} {tuple(t.shape)}, the engine loads {want} {shape}")
 
 
+def keep_host_copy(host: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Store CPU copies of the codes and scales among `tensors` in `host`, the base the next delta applies to."""
+    for name in delta.checked_names(tensors):
+        host[name] = tensors[name].to("cpu", copy=True).contiguous()
+
+
+def apply_to_host(host: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta],
+                  checksum: str) -> dict[str, torch.Tensor]:
+    """Apply a delta push to the host copy; return what SGLang must load: every changed code tensor with its scale
+    (the two travel as one unit) and the other tensors sent whole. Raises like qurl.delta.apply, host unchanged."""
+    touched = {name: t for name, t in whole.items() if name in host}
+    delta.apply(host, touched, deltas, checksum)
+    out = {name: t for name, t in whole.items() if name not in host}
+    for name in [*deltas, *touched]:
+        code = next((name[: -len(s)] for s in delta.SCALE_SUFFIXES if name.endswith(s) and name[: -len(s)] in host),
+                    name)
+        out.update({n: host[n] for n in (code, *(code + s for s in delta.SCALE_SUFFIXES)) if n in host})
+    return out
+
+
 class SGLangEngine:
     """generate / add_request / step / update_weights / version over one sglang.Engine (see design.md section 4)."""
 
@@ -186,6 +207,7 @@ class SGLangEngine:
         self._loop: asyncio.AbstractEventLoop = engine.loop
         self._tm = engine.tokenizer_manager
         self._version = 0
+        self.host: dict[str, torch.Tensor] = {}  # CPU copy of the codes and scales, the base of delta pushes
         self._tasks: dict[asyncio.Task, tuple[Hashable, int]] = {}  # task -> (request id, n)
         self._in_flight: set[Hashable] = set()
 
@@ -278,14 +300,29 @@ class SGLangEngine:
         check_push(self.expected, named_tensors, partial)
         named = payload.named_tensors(named_tensors, self.scheme)
         self._session(iter(payload.buckets(named, self.bucket_bytes)), version)
+        keep_host_copy(self.host, named_tensors)
+
+    def apply_delta(self, whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta], version: int,
+                    checksum: str) -> None:
+        """Apply a delta push to the host copy (all or nothing, proven by checksum), then send SGLang what changed.
+
+        If SGLang then fails, the host copy is ahead of the GPU: the caller asks for a full push, which resets both.
+        """
+        check_push(self.expected, whole, partial=True)
+        changed = apply_to_host(self.host, whole, deltas, checksum)
+        if not changed:  # nothing moved: SGLang refuses an empty update, and needs none
+            self._version = int(version)
+            return
+        self._session(iter(payload.buckets(payload.named_tensors(changed, self.scheme), self.bucket_bytes)), version)
 
     def _checkpoint_buckets(self, path: str) -> Iterator[payload.Named]:
         """Version 0 from the checkpoint, one safetensors file at a time, quantized like the learner's pushes."""
         from safetensors.torch import load_file
 
         for f in checkpoint_files(path):
-            named = payload.named_tensors(quantize_state_dict(load_file(f), self.scheme), self.scheme)
-            yield from payload.buckets(named, self.bucket_bytes)
+            tensors = quantize_state_dict(load_file(f), self.scheme)
+            keep_host_copy(self.host, tensors)
+            yield from payload.buckets(payload.named_tensors(tensors, self.scheme), self.bucket_bytes)
 
     def _session(self, bucket_iter: Iterator[payload.Named], version: int) -> None:
         """pause(retract) -> begin -> one tensor update per bucket -> end -> continue; the version lands with the last bucket."""

@@ -13,6 +13,7 @@ from collections.abc import Hashable
 
 import torch
 
+from qurl import delta
 from qurl.quant import quantize_state_dict
 from rollout_server.engines import GenRequest, GenResult, Sample, check_names, run_to_completion
 from rollout_server.engines.model import ModelConfig, Transformer, load_safetensors
@@ -244,4 +245,11 @@ class TorchEngine:
             for name, t in named_tensors.items():
                 expected[name].copy_(t)
             self.model.repack(named_tensors)
+        self._version = int(version)
+
+    def apply_delta(self, whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta], version: int,
+                    checksum: str) -> None:
+        """Apply a delta push (qurl.delta.split_push) in place as `version`; all or nothing, proven by `checksum`."""
+        with torch.inference_mode():
+            delta.apply(self._weights, whole, deltas, checksum)
         self._version = int(version)

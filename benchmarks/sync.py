@@ -1,0 +1,215 @@
+"""Weight-sync benchmark: full INT8 pushes against delta pushes (qurl/delta.py) after real AdamW steps.
+
+For the demo model (its learning rate, 1.5e-4) and a ~160M random Qwen2 (hidden 1024, 8 layers, untied, as in
+rollout_throughput.py; learning rate 1e-6, an RL fine-tuning rate), with invariant scaling s=1 and s=1.5 (q/k/v):
+train with AdamW on next-token loss over the demo's arithmetic text, quantize after each step as the learner does,
+and per push report the share of int8 codes that changed, wire bytes of the full and the delta push (all tensors,
+and the codes + scales alone), encode seconds (diff, checksum, protocol encode) and apply seconds (decode, checks,
+in-place apply into a TorchEngine, checksum). Summary rows give medians and the mean bytes per push when every
+full_every-th push is full. Checksum rows time CRC-32 (what qurl.delta uses) against blake2b on the same codes.
+
+    python benchmarks/sync.py [--quick] [--threads 1] [--pushes N] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info  # noqa: E402  (benchmarks/common.py)
+from qurl import delta  # noqa: E402
+from qurl.protocol import WeightPush, decode, encode, from_torch  # noqa: E402
+from qurl.quant import quantize_state_dict  # noqa: E402
+from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
+from rollout_server.engines import load_engine  # noqa: E402
+
+LARGE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+             intermediate_size=2816, vocab_size=32000)
+QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=512)
+DEMO_LR, LARGE_LR = 1.5e-4, 1e-6
+FULL_EVERY = 10
+BATCH, SEQ = 8, 32
+
+
+def demo_dir() -> str:
+    path = os.environ.get("QURL_DEMO_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        ".cache", "qurl-demo"))
+    if not os.path.isfile(os.path.join(path, "model", "config.json")):
+        raise SystemExit(f"sync.py: no demo at {path}; run qurl-prepare-demo or set QURL_DEMO_DIR")
+    return path
+
+
+def batches(demo: str, count: int) -> list[torch.Tensor]:
+    """[BATCH, SEQ] token batches of the demo's problems and answers, in the demo tokenizer's ids."""
+    tok = AutoTokenizer.from_pretrained(os.path.join(demo, "model"))
+    with open(os.path.join(demo, "train.jsonl")) as f:
+        rows = [json.loads(line) for _, line in zip(range(BATCH * count * 4), f)]
+    ids = [i for r in rows for i in tok(f"{r['problem']} {r['answer']}\n")["input_ids"]]
+    need = BATCH * SEQ
+    return [torch.tensor(ids[k * need:(k + 1) * need]).view(BATCH, SEQ) for k in range(count)]
+
+
+def random_model(path: str, quick: bool) -> None:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**(QUICK if quick else LARGE), max_position_embeddings=512, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
+
+
+def wire_bytes(frames: list) -> int:
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+def code_bytes(push: WeightPush, checked: set[str]) -> int:
+    """Bytes of the codes and scales part of a push (whole or as idx / val pairs)."""
+    return sum(t.data.nbytes for name, t in push.tensors.items() if name.rpartition("@")[0] in checked or name in checked)
+
+
+def run(model_name: str, path: str, lr: float, s: float, data: list[torch.Tensor], threads: int) -> list[dict]:
+    """Per push: changed share, bytes and seconds of the full and the delta push of the same version."""
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if s != 1.0:
+        apply_invariant_scaling(model, s, ("qkv",))
+    engine = load_engine(path, quant="int8", max_batch=1, max_seq_len=16)
+    names = set(engine.weights)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+    def tensors() -> dict[str, torch.Tensor]:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items() if k in names}
+        return quantize_state_dict(state, "int8")
+
+    prev = tensors()
+    engine.update_weights(prev, 0)
+    checked = set(delta.checked_names(prev))
+    params = sum(p.numel() for p in model.parameters())
+    rows = []
+    for version, batch in enumerate(data, start=1):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        new = tensors()
+        codes = [k for k in new if new[k].dtype == torch.int8]
+        changed = sum((new[k] != prev[k]).sum().item() for k in codes) / sum(new[k].numel() for k in codes)
+
+        t0 = time.perf_counter()
+        full = WeightPush(version=version, scheme="int8", checksum=delta.checksum(new),
+                          tensors={k: from_torch(v) for k, v in new.items()})
+        full_frames = encode(full, sender="learner", session="s", seq=2 * version)
+        t1 = time.perf_counter()
+        whole, deltas = delta.diff(prev, new)
+        push = delta.delta_push(version, "int8", whole, deltas, delta.checksum(new))
+        delta_frames = encode(push, sender="learner", session="s", seq=2 * version + 1)
+        t2 = time.perf_counter()
+        got = decode(delta_frames, secret=None, max_bytes=1 << 40)
+        engine.apply_delta(*delta.split_push(got), version, got.checksum)
+        t3 = time.perf_counter()
+        got = decode(full_frames, secret=None, max_bytes=1 << 40)
+        named, _ = delta.split_push(got)
+        assert delta.checksum(named) == got.checksum
+        engine.update_weights(named, version)
+        t4 = time.perf_counter()
+        rows.append({
+            "kind": "push", "model": model_name, "model_params": params, "lr": lr, "s": s, "version": version,
+            "threads": threads, "changed_frac": changed, "delta_tensors": len(deltas),
+            "full_bytes": wire_bytes(full_frames), "delta_bytes": wire_bytes(delta_frames),
+            "bytes_ratio": wire_bytes(delta_frames) / wire_bytes(full_frames),
+            "full_code_bytes": code_bytes(full, checked), "delta_code_bytes": code_bytes(push, checked),
+            "code_bytes_ratio": code_bytes(push, checked) / code_bytes(full, checked),
+            "full_encode_s": t1 - t0, "delta_encode_s": t2 - t1, "delta_apply_s": t3 - t2, "full_apply_s": t4 - t3,
+        })
+        prev = new
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """Medians over the pushes of one (model, s) run, and mean wire bytes per push with every FULL_EVERY-th full."""
+    med = {k: statistics.median(r[k] for r in rows) for k in
+           ("changed_frac", "bytes_ratio", "code_bytes_ratio", "full_bytes", "delta_bytes", "full_encode_s",
+            "delta_encode_s", "delta_apply_s", "full_apply_s")}
+    mean_push = (med["full_bytes"] + (FULL_EVERY - 1) * med["delta_bytes"]) / FULL_EVERY
+    first = rows[0]
+    return {"kind": "summary", **{k: first[k] for k in ("model", "model_params", "lr", "s", "threads")},
+            "pushes": len(rows), **med, "full_every": FULL_EVERY, "mean_bytes_per_push": mean_push,
+            "mean_bytes_ratio": mean_push / med["full_bytes"]}
+
+
+def checksum_rows(model_name: str, path: str, repeats: int = 3) -> list[dict]:
+    """Seconds to checksum a model's int8 codes and scales: CRC-32 (qurl.delta) against blake2b."""
+    state = {k: v for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()}
+    q = quantize_state_dict(state, "int8")
+    checked = {k: q[k] for k in delta.checked_names(q)}
+    nbytes = sum(t.numel() * t.element_size() for t in checked.values())
+
+    def blake() -> str:
+        h = hashlib.blake2b(digest_size=16)
+        for k in sorted(checked):
+            h.update(from_torch(checked[k]).data)
+        return h.hexdigest()
+
+    def crc_only() -> int:
+        crc = 0
+        for k in sorted(checked):
+            crc = zlib.crc32(from_torch(checked[k]).data, crc)
+        return crc
+
+    out = []
+    for name, fn in (("qurl.delta.checksum", lambda: delta.checksum(checked)), ("crc32", crc_only),
+                     ("blake2b-128", blake)):
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        out.append({"kind": "checksum", "model": model_name, "hash": name, "bytes": nbytes,
+                    "seconds": statistics.median(times), "repeats": repeats})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny random model instead of the ~160M one, 2 pushes")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pushes", type=int, default=None, help="pushes per run (default 6 demo, 3 large, 2 quick)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    demo = demo_dir()
+    demo_pushes = args.pushes or (2 if args.quick else 6)
+    large_pushes = args.pushes or (2 if args.quick else 3)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        large = os.path.join(tmp, "large")
+        random_model(large, args.quick)
+        large_name = "qwen2-random-quick" if args.quick else "qwen2-random-160m"
+        for name, path, lr, pushes in (("demo", os.path.join(demo, "model"), DEMO_LR, demo_pushes),
+                                       (large_name, large, LARGE_LR, large_pushes)):
+            data = batches(demo, pushes)
+            for s in (1.0, 1.5):
+                runs = run(name, path, lr, s, data, args.threads)
+                rows += runs + [summary(runs)]
+            rows += checksum_rows(name, path)
+    out = {"benchmark": "sync", "machine": machine_info(), "rows": rows}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
