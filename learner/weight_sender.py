@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 import zmq
 
-from qurl.protocol import Status, WeightPush, from_torch
+from qurl.protocol import Status, WeightPush, WeightRef, from_torch
 from qurl.quant import changed_fraction
 from qurl.transport import Receiver, Sender
 
@@ -58,7 +58,7 @@ class WeightSender:
         self.servers: dict[str, ServerInfo] = {}
         self.pushes = 0
         self.repushes = 0
-        self._push: Optional[WeightPush] = None
+        self._push: Optional[WeightPush | WeightRef] = None
         self._eval_wanted: Optional[int] = None  # handed to the next server that checks in
         self._eval_results: list[tuple[int, dict]] = []
         self._codes: dict[str, torch.Tensor] = {}
@@ -92,6 +92,30 @@ class WeightSender:
             self.pushes += 1
         self._codes = codes
         return PushStats(time.perf_counter() - started, sum(t.nbytes for t in tensors.values()), changed)
+
+    def announce(self, version: int, ref: WeightRef, tensors: dict[str, torch.Tensor], repush: bool) -> PushStats:
+        """Send a WeightRef (the bytes travel by CUDA IPC or NCCL); repush=False: lagging servers get nothing again."""
+        started = time.perf_counter()
+        codes = _codes(tensors)
+        changed = _changed_frac(self._codes, codes)
+        with self._lock:
+            self._push = ref if repush else None
+            self.version = version
+            self.pub.send(ref)
+            self.pushes += 1
+        self._codes = codes
+        return PushStats(time.perf_counter() - started, sum(t.nbytes for t in tensors.values()), changed)
+
+    def wait_applied(self, version: int, timeout_s: float) -> list[str]:
+        """Wait until every server heard from lately reports `version` or newer; return those still behind."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic()
+            behind = [sid for sid, s in list(self.servers.items())
+                      if now - s.seen < SERVER_GONE_S and s.version < version]
+            if not behind or now >= deadline:
+                return behind
+            time.sleep(0.05)
 
     def request_eval(self, version: int) -> None:
         """Ask one rollout server to evaluate `version` (or newer) with its quantized engine."""
