@@ -16,12 +16,13 @@ from qurl import protocol
 from qurl.config import get
 from qurl.data import Example, PromptDataset
 from qurl.evaluate import EvalSet
-from qurl.protocol import Status, TrajectoryGroup, WeightPush
+from qurl.protocol import Status, TrajectoryGroup, WeightPush, WeightRef
 from qurl.rewards import RewardPool, RewardResult
 from qurl.transport import Receiver, Sender
 from rollout_server.admission import Admission
 from rollout_server.engines import GenRequest
 from rollout_server.engines import Sample as EngineSample
+from rollout_server.weight_refs import apply_ref
 
 log = logging.getLogger("rollout_server")
 
@@ -164,8 +165,9 @@ class RolloutLoop:
 
     def __init__(self, cfg: Any, *, server_id: str, engine: Any, scheme: str, tokenizer: Any, dataset: PromptDataset,
                  pool: RewardPool, sockets: Sockets, secret: Optional[bytes], admission: Admission,
-                 stop_ids: list[int], eval_set: Optional[EvalSet] = None) -> None:
+                 stop_ids: list[int], eval_set: Optional[EvalSet] = None, replica: int = 0) -> None:
         self.server_id, self.engine, self.scheme = server_id, engine, scheme
+        self.replica = replica  # which per-rank payloads of a cuda-ipc WeightRef are this server's
         self.tokenizer, self.dataset, self.admission, self.stop_ids = tokenizer, dataset, admission, stop_ids
         self.sockets = sockets
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -175,7 +177,7 @@ class RolloutLoop:
         self.control_rx = Receiver(sockets.dealer, secret=secret, max_bytes=sockets.dealer.getsockopt(zmq.MAXMSGSIZE),
                                    kinds=("status",))
         self.weights_rx = Receiver(sockets.sub, secret=secret, max_bytes=sockets.sub.getsockopt(zmq.MAXMSGSIZE),
-                                   kinds=("weight_push",))
+                                   kinds=("weight_push", "weight_ref"))
         self.running: dict[int, Group] = {}  # engine request id (draw index) -> group
         self.n = get(cfg, "rollout.n_samples")
         self.max_batch = get(cfg, "rollout.max_batch")
@@ -337,6 +339,9 @@ class RolloutLoop:
         if newest.scheme != self.scheme:
             self._reject_push(newest, f"scheme {newest.scheme!r}, this engine holds {self.scheme!r}")
             return
+        if isinstance(newest, WeightRef):
+            self._apply_ref(newest)
+            return
         if newest.mode != "full":
             self._reject_push(newest, f"mode {newest.mode!r} is not supported yet")
             return
@@ -351,7 +356,20 @@ class RolloutLoop:
         log.info("applied weights version %d (%d tensors) in %.3f s", newest.version, len(named),
                  time.perf_counter() - started)
 
-    def _reject_push(self, push: WeightPush, why: str) -> None:
+    def _apply_ref(self, ref: WeightRef) -> None:
+        """A cuda-ipc / nccl push; the next tick reports the new version at once (the learner waits on it)."""
+        started = time.perf_counter()
+        try:
+            apply_ref(self.engine, ref, self.replica)
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+            self._reject_push(ref, str(exc))
+            return
+        self.counters["weight_pushes_applied"] += 1
+        self._last_heartbeat = 0.0
+        log.info("applied weights version %d by %s (%d buckets) in %.3f s", ref.version, ref.transport,
+                 len(ref.buckets), time.perf_counter() - started)
+
+    def _reject_push(self, push: WeightPush | WeightRef, why: str) -> None:
         self.counters["weight_pushes_rejected"] += 1
         log.error("rejected weight push version %d: %s", push.version, " ".join(why.split())[:300])
 
