@@ -5,7 +5,11 @@
 #   compare greedy logprobs with a teacher-forced transformers forward of the weights the engine should hold,
 #   refit to other weights (version 1) and compare again, refit back (version 2) and require the version-0 greedy
 #   tokens, and refit while a request is running (its per-token versions must go 2 -> 3, in order).
-# With 2+ GPUs it also checks the NCCL path (fp8-block): learner rank 0 on the last GPU broadcasts flattened buckets.
+# Then the learner-driven transports end to end (learner/push_transport.py in a spawned "learner rank 0" process on the
+# last GPU, a real WeightSender over ZeroMQ, the server's rollout_server.weight_refs.apply_ref here):
+#   cuda-ipc (every scheme; on a 1-GPU node the learner shares the engine's GPU, i.e. colocated): the weight_ref's
+#   per-rank payloads open in SGLang's scheduler and the greedy tokens of the pushed weights come back;
+#   nccl (none and fp8-block, 2+ GPUs): the replica joins the update group, receives the ref and the broadcasts.
 # Prints one JSON object (design.md section 9); exits 0 only when every check passed.
 # Usage: bash benchmarks/gpu_check_sglang.sh [--quick] [--out FILE]
 set -euo pipefail
@@ -64,12 +68,75 @@ def gaps(a, b):
     return round(max(d), 4), round(sum(d) / len(d), 4)
 
 
-def learner_broadcast(port, world, weights_path):
-    """Learner rank 0 on the last GPU: join the update group and broadcast the buckets (NCCL)."""
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def learner_push(kind, endpoint, group_port, weights_path, scheme, version, done_path):
+    """Learner rank 0 on the last GPU: the real push transport publishes `version` and stays up until told."""
+    import zmq
+
+    from learner.push_transport import IpcPush, NcclPush
+    from learner.weight_sender import WeightSender
+    from qurl import transport
+
     torch.cuda.set_device(torch.cuda.device_count() - 1)
-    named = torch.load(weights_path)
-    group = payload.open_update_group("127.0.0.1", port, world, "qurl-weights")
-    payload.broadcast_buckets(payload.buckets(named, 1 << 20), group, "cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    ctx = zmq.Context()
+    pub = transport.bind(ctx, zmq.PUB, endpoint, secret=None, max_bytes=1 << 20, hwm=4)
+    router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
+    sender = WeightSender(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
+                          transport.Sender(router, "learner"), scheme, counts=lambda sid: (0, 0))
+    if kind == "nccl":
+        push = NcclPush(sender, scheme, device, f"tcp://127.0.0.1:{group_port}", replicas=1, tp_size=1,
+                        bucket_bytes=1 << 20)
+        push.open()
+    else:
+        push = IpcPush(sender, scheme, device, ranks=1, bucket_bytes=1 << 20)
+    time.sleep(1.0)  # PUB/SUB: the server's subscription lands
+    push.publish(version, torch.load(weights_path))
+    deadline = time.time() + 300
+    while not os.path.exists(done_path) and time.time() < deadline:  # the IPC buffers must outlive the load
+        time.sleep(0.1)
+    ctx.destroy(linger=0)
+
+
+def transport_check(eng, kind, scheme, weights, version, greedy, expect_tokens, row):
+    """Push `weights` as `version` through transport `kind`; the greedy tokens must be expect_tokens."""
+    import zmq
+
+    from qurl import transport
+    from rollout_server.weight_refs import apply_ref
+
+    tmp = tempfile.mkdtemp()
+    weights_path, done = os.path.join(tmp, "w.pt"), os.path.join(tmp, "done")
+    torch.save(quantize_state_dict(weights, scheme), weights_path)
+    endpoint, group_port = f"tcp://127.0.0.1:{free_port()}", free_port()
+    ctx = zmq.Context()
+    rx = transport.Receiver(transport.connect(ctx, zmq.SUB, endpoint, max_bytes=1 << 30), secret=None,
+                            max_bytes=1 << 30, kinds=("weight_ref",))
+    proc = mp.get_context("spawn").Process(target=learner_push,
+                                           args=(kind, endpoint, group_port, weights_path, scheme, version, done))
+    proc.start()
+    key = kind.replace("-", "_")
+    try:
+        if kind == "nccl":
+            world, offsets = payload.update_group_layout(1, 1)
+            eng.init_update_group("127.0.0.1", group_port, offsets[0], world)
+        ref = rx.recv(timeout_ms=120_000)
+        if ref is None:
+            raise RuntimeError(f"{kind}: no weight_ref arrived within 120 s")
+        t0 = time.perf_counter()
+        apply_ref(eng, ref, 0)
+        row[f"{key}_refit_s"] = round(time.perf_counter() - t0, 3)
+        s = eng.generate([greedy])[0].samples[0]
+        row[f"{key}_tokens_equal"] = s.token_ids == expect_tokens and all(v == version for v in s.versions)
+    finally:
+        open(done, "w").close()
+        proc.join(60)
+        ctx.destroy(linger=0)
 
 
 def check(scheme, path, w_a, w_b, prompt, max_new):
@@ -117,23 +184,9 @@ def check(scheme, path, w_a, w_b, prompt, max_new):
         row["in_flight_versions"] = sorted(set(versions))
         row["in_flight_versions_ok"] = versions == sorted(versions) and set(versions) == {2, 3}
 
-        if scheme == "fp8-block" and torch.cuda.device_count() >= 2:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            named = payload.named_tensors(quantize_state_dict(w_b, scheme), scheme)
-            weights_path = os.path.join(tempfile.mkdtemp(), "w.pt")
-            torch.save(named, weights_path)
-            world, offsets = payload.update_group_layout(1, 1)
-            proc = mp.get_context("spawn").Process(target=learner_broadcast, args=(port, world, weights_path))
-            proc.start()
-            eng.init_update_group("127.0.0.1", port, offsets[0], world)
-            t0 = time.perf_counter()
-            eng.receive_broadcast([payload.bucket_meta(b) for b in payload.buckets(named, 1 << 20)], 4)
-            row["nccl_refit_s"] = round(time.perf_counter() - t0, 3)
-            proc.join(60)
-            s4 = eng.generate([greedy])[0].samples[0]
-            row["nccl_tokens_equal"] = s4.token_ids == s1.token_ids and all(v == 4 for v in s4.versions)
+        if scheme != "int8" and torch.cuda.device_count() >= 2:  # nccl refuses int8 (docs/sglang.md, limits)
+            transport_check(eng, "nccl", scheme, w_b, 4, greedy, s1.token_ids, row)
+        transport_check(eng, "cuda-ipc", scheme, w_a, 5, greedy, s0.token_ids, row)
     finally:
         eng.close()
     ok_keys = [k for k in row if k.endswith(("_ok", "_equal"))]

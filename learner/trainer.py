@@ -24,7 +24,7 @@ import zmq
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
-from learner import checkpoint
+from learner import checkpoint, push_transport
 from learner.buffer import Batch, TrajectoryBuffer, collate, min_version
 from learner.evaluation import FpEvaluator
 from learner.model import build_policy, invariant_scaling, token_logprobs
@@ -248,6 +248,10 @@ class Learner:
             self.scheme,
             counts=lambda sid: (self.buffer.accepted_total, self.buffer.received_from.get(sid, 0)),
             full_every=cfg.sync.full_every)
+        try:  # nccl: blocks until every rollout replica has joined the weight-update group
+            self.pusher = push_transport.build(cfg, self.sender, self.scheme, self.env.device)
+        except (ValueError, RuntimeError) as exc:
+            raise StartError(f"sync.transport={get(cfg, 'sync.transport')}: {_first_line(exc)}") from None
         self._tokens_mark = 0
 
     def _resume_or_start(self) -> None:
@@ -544,7 +548,7 @@ class Learner:
         if not publish:
             self.sender.set_baseline(tensors)
             return {}
-        stats = self.sender.publish(self.progress.version, tensors)
+        stats = self.pusher.publish(self.progress.version, tensors)
         return {"sync/seconds": time.perf_counter() - started, "sync/bytes": stats.bytes,
                 "sync/changed_frac": stats.changed_frac, "sync/full_bytes": stats.full_bytes,
                 "sync/delta": int(stats.mode == "delta")}

@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from qurl import books, delta
-from qurl.protocol import Status, WeightPush, from_torch
+from qurl.protocol import Status, WeightPush, WeightRef, from_torch
 from qurl.quant import changed_fraction
 from qurl.transport import Receiver, Sender
 
@@ -69,7 +69,8 @@ class WeightSender:
         self.life = 1  # the learner life (1 + resumes) the reports are stamped with
         self.pushes = 0
         self.repushes = 0
-        self._full: Optional[WeightPush] = None  # the current version, whole: what lagging servers get
+        # the current version, whole (or its cuda-ipc WeightRef): what lagging servers get; None: nothing to re-send
+        self._full: Optional[WeightPush | WeightRef] = None
         self._built_at = -float("inf")  # monotonic time the current version was built
         self._sent: dict[str, torch.Tensor] = {}  # the tensors of the last version built (a delta's base)
         self._eval_wanted: Optional[int] = None  # handed to the next server that checks in
@@ -126,6 +127,29 @@ class WeightSender:
         with self._lock:
             self.pub.send(push)
             self.pushes += 1
+
+    def announce(self, version: int, ref: WeightRef, tensors: dict[str, torch.Tensor], repush: bool) -> PushStats:
+        """Send a WeightRef (the bytes travel by CUDA IPC or NCCL); repush=False: lagging servers get nothing again."""
+        started = time.perf_counter()
+        codes = _codes(tensors)
+        changed = _changed_frac(self._codes, codes)
+        with self._lock:
+            self._full, self.version, self._built_at = (ref if repush else None), version, time.monotonic()
+            self.pub.send(ref)
+            self.pushes += 1
+        self._codes = codes
+        return PushStats(time.perf_counter() - started, sum(t.nbytes for t in tensors.values()), changed)
+
+    def wait_applied(self, version: int, timeout_s: float) -> list[str]:
+        """Wait until every server heard from lately reports `version` or newer; return those still behind."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic()
+            behind = [sid for sid, s in list(self.servers.items())
+                      if now - s.seen < SERVER_GONE_S and s.version < version]
+            if not behind or now >= deadline:
+                return behind
+            time.sleep(0.05)
 
     def request_eval(self, version: int) -> None:
         """Ask one rollout server to evaluate `version` (or newer) with its quantized engine."""

@@ -64,6 +64,7 @@ class RolloutConfig:
     max_seq_len: int = 2048
     n_samples: int = 8
     tp_size: int = 1
+    mem_fraction: Optional[float] = None  # sglang: share of GPU memory for weights + KV cache; null: SGLang's default
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -140,6 +141,8 @@ class ClusterConfig:
 @dataclass
 class SyncConfig:
     full_every: int = 10  # a full weight push every N versions, deltas between
+    transport: str = "zmq"  # zmq | cuda-ipc | nccl (the last two: rollout.engine=sglang on GPUs)
+    group_endpoint: str = "auto"  # nccl: tcp://HOST:PORT where learner rank 0 and the replicas meet; auto: launcher
 
 
 @dataclass
@@ -198,6 +201,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.lr_schedule": ("constant", "cosine"),
     "train.precision": ("fp32", "bf16"),
     "log.level": ("debug", "info", "warning"),
+    "sync.transport": ("zmq", "cuda-ipc", "nccl"),
 }
 
 # key -> (lower bound, whether the bound itself is allowed, upper bound or None)
@@ -339,6 +343,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
     if name not in ("math", "arith") and not re.fullmatch(r"[\w.]+:\w+", name):
         raise ConfigError(f"reward.name={name!r} is not allowed; use math, arith or package.module:function")
     _validate_transport(cfg)
+    _validate_sync(cfg)
     if check_paths:
         _validate_paths(cfg)
 
@@ -354,6 +359,32 @@ def _validate_transport(cfg: DictConfig) -> None:
         host = match.group("host")
         if host and not _is_loopback(host) and not secret:
             raise ConfigError(f"transport.{name}={endpoint!r} is not loopback; set transport.secret to bind it")
+
+
+def _validate_sync(cfg: DictConfig) -> None:
+    """sync.transport: zmq anywhere; cuda-ipc (same node) and nccl only for SGLang replicas on GPUs."""
+    fraction = get(cfg, "rollout.mem_fraction")
+    if fraction is not None and not 0 < fraction < 1:
+        raise ConfigError(f"rollout.mem_fraction={fraction!r} is out of range; it must be > 0 and < 1, or null")
+    kind, endpoint = get(cfg, "sync.transport"), get(cfg, "sync.group_endpoint")
+    match = _ENDPOINT.match(endpoint)
+    if not match or endpoint.startswith("ipc://"):
+        raise ConfigError(f"sync.group_endpoint={endpoint!r} is not allowed; use auto or tcp://HOST:PORT")
+    if kind == "zmq":
+        return
+    if get(cfg, "rollout.engine") != "sglang":
+        raise ConfigError(f"sync.transport={kind} needs rollout.engine=sglang; the torch engine takes weights over zmq")
+    if not get(cfg, "cluster.learner_gpus") or not get(cfg, "cluster.rollout_gpus"):
+        raise ConfigError(f"sync.transport={kind} needs GPUs (cluster.learner_gpus and cluster.rollout_gpus); "
+                          "on CPU use sync.transport=zmq")
+    if kind == "nccl" and get(cfg, "rollout.quant") == "int8":
+        raise ConfigError("sync.transport=nccl cannot refit rollout.quant=int8 (sglang 0.5.23's distributed update "
+                          "skips the INT8 loader); use sync.transport=cuda-ipc or zmq")
+    if kind == "cuda-ipc":
+        host = _ENDPOINT.match(get(cfg, "transport.weights")).group("host")
+        if host and not _is_loopback(host):
+            raise ConfigError(f"sync.transport=cuda-ipc hands CUDA memory handles to servers on this node; "
+                              f"transport.weights={get(cfg, 'transport.weights')!r} must be loopback or ipc://")
 
 
 def _is_loopback(host: str) -> bool:

@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 
 from qurl import books
 from qurl.cli import parse
-from qurl.config import get, run_dir, to_yaml
+from qurl.config import ConfigError, get, run_dir, to_yaml
+from qurl.layout import plan
 from qurl.report import plot_curves, read_metrics, write_summary
 
 PROG = "qurl-async"
@@ -38,10 +39,12 @@ def free_port() -> int:
 
 
 def resolve_endpoints(cfg: DictConfig) -> None:
-    """Replace `auto` endpoints with free loopback ports."""
+    """Replace `auto` endpoints (and the nccl weight group's rendezvous) with free loopback ports."""
     for name in ("trajectories", "weights", "control"):
         if cfg.transport[name] == "auto":
             cfg.transport[name] = f"tcp://127.0.0.1:{free_port()}"
+    if cfg.sync.transport == "nccl" and cfg.sync.group_endpoint == "auto":
+        cfg.sync.group_endpoint = f"tcp://127.0.0.1:{free_port()}"
 
 
 def _script(name: str) -> list[str]:
@@ -89,28 +92,26 @@ def _threads_per_process(n_processes: int) -> str:
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // n_processes))
 
 
-def build_children(cfg: DictConfig, config_path: str, out: str) -> tuple[Child, list[Child]]:
-    """One learner (it spawns its own ranks) and cluster.rollout_servers servers."""
-    n_servers = cfg.cluster.rollout_servers
+def node_gpus(cfg: DictConfig) -> tuple[Optional[int], Optional[list[str]]]:
+    """(GPUs this node has, the launcher's CUDA_VISIBLE_DEVICES list); (None, None) for a CPU config."""
+    if not cfg.cluster.learner_gpus and not cfg.cluster.rollout_gpus:
+        return None, None
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return torch.cuda.device_count(), [v.strip() for v in visible.split(",")] if visible else None
+
+
+def build_children(cfg: DictConfig, config_path: str, out: str, available_gpus: Optional[int] = None,
+                   visible: Optional[list[str]] = None) -> tuple[Child, list[Child]]:
+    """The learner (it spawns its own ranks) and the rollout servers, as qurl.layout.plan places them."""
+    learner_plan, *server_plans = plan(cfg, available_gpus, visible)
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")
-    on_cpu = not cfg.cluster.learner_gpus
-    if on_cpu:
-        base_env["OMP_NUM_THREADS"] = _threads_per_process(cfg.cluster.learner_ranks + n_servers)
+    if not cfg.cluster.learner_gpus:
+        base_env["OMP_NUM_THREADS"] = _threads_per_process(cfg.cluster.learner_ranks + len(server_plans))
     logs = os.path.join(out, "logs")
-    learner_env = dict(base_env)
-    if cfg.cluster.learner_gpus:
-        learner_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.cluster.learner_gpus))
-    learner = Child("learner", _script("qurl-learner") + ["--config", config_path], learner_env,
-                    os.path.join(logs, "learner.log"))
-    gpus = list(cfg.cluster.rollout_gpus)
-    per_server = max(1, len(gpus) // n_servers) if gpus else 0
-    servers = []
-    for i in range(n_servers):
-        env = dict(base_env, QURL_SERVER_INDEX=str(i))
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus[i * per_server:(i + 1) * per_server]))
-        servers.append(Child(f"rollout-{i}", _script("qurl-rollout-server") + ["--config", config_path], env,
-                             os.path.join(logs, f"rollout-{i}.log")))
+    learner, *servers = [Child(p.name, _script(p.program) + ["--config", config_path], dict(base_env, **p.env),
+                               os.path.join(logs, f"{p.name}.log")) for p in [learner_plan, *server_plans]]
     return learner, servers
 
 
@@ -154,15 +155,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{PROG}: {out} already holds a run; pass run.resume=true to continue it, or choose another "
               f"run.name / run.dir", file=sys.stderr)
         return 2
+    config_path = os.path.join(out, "config.yaml")
+    try:
+        learner, servers = build_children(cfg, config_path, out, *node_gpus(cfg))
+    except ConfigError as exc:
+        print(f"{PROG}: config error: {exc}", file=sys.stderr)
+        return 2
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     resolve_endpoints(cfg)
     cfg.run.dir = out
     config_yaml = to_yaml(cfg)
-    config_path = os.path.join(out, "config.yaml")
     with open(config_path, "w") as f:
         f.write(config_yaml)
 
-    learner, servers = build_children(cfg, config_path, out)
     stop = {"signal": None}
 
     def on_signal(signum, _frame):

@@ -73,6 +73,10 @@ DELTA_INDEX, DELTA_MASK, DELTA_VALUES = "@idx", "@mask", "@val"
 INDEX_DTYPES = ("int32", "int64")
 # server -> learner: hello, heartbeat, bye, resend_weights (lagging, or a checksum mismatch);
 # learner -> server: reply (its version and the server's budget), resend_status (say hello again)
+REF_TRANSPORTS = ("cuda-ipc", "nccl")
+# tensor dtypes a weight reference may name (torch names, as SGLang's receivers take them)
+REF_DTYPES = ("bfloat16", "float16", "float32", "int8", "uint8", "float8_e4m3fn")
+MAX_REF_PAYLOAD_BYTES = 64 << 20
 STATUS_TYPES = ("hello", "heartbeat", "bye", "reply", "resend_status", "resend_weights", "eval_request",
                 "eval_result")
 
@@ -360,8 +364,74 @@ class Status:
             _int(self.budget, "budget")
 
 
-Message = Union[TrajectoryGroup, WeightPush, Status]
-KINDS: dict[str, type] = {c.KIND: c for c in (TrajectoryGroup, WeightPush, Status)}
+@dataclass(frozen=True, eq=False)
+class WeightRef:
+    """A push whose tensors travel outside ZeroMQ (sync.transport cuda-ipc or nccl): what to load, not the bytes.
+
+    buckets: one (names, dtypes, shapes) per bucket, in load order. nccl: each bucket is one flattened broadcast
+    from learner rank 0, right after this message. cuda-ipc: payloads[b][i] is bucket b serialized for global
+    rank i (replica * tp_size + tp rank): opaque bytes that only SGLang's scheduler opens, with its allow-list
+    unpickler; the rollout server never unpickles them, and the HMAC covers them like every frame.
+    """
+
+    KIND: ClassVar[str] = "weight_ref"
+    version: int
+    scheme: str
+    transport: str
+    buckets: Sequence[tuple[Sequence[str], Sequence[str], Sequence[Sequence[int]]]]
+    payloads: Sequence[Sequence[bytes]] = ()
+
+    def __post_init__(self) -> None:
+        _int(self.version, "version")
+        _str(self.scheme, "scheme", max_chars=64)
+        if self.transport not in REF_TRANSPORTS:
+            raise BadField(f"transport: {self.transport!r} is not one of {REF_TRANSPORTS}")
+        if not isinstance(self.buckets, (list, tuple)) or not self.buckets:
+            raise BadField("buckets: need at least one bucket")
+        buckets, seen = [], set()
+        for b, bucket in enumerate(self.buckets):
+            if not isinstance(bucket, (list, tuple)) or len(bucket) != 3:
+                raise BadField(f"buckets[{b}]: expected [names, dtypes, shapes]")
+            names, dtypes, shapes = (list(x) if isinstance(x, (list, tuple)) else None for x in bucket)
+            if names is None or dtypes is None or shapes is None or not names or not len(names) == len(dtypes) == len(shapes):
+                raise BadField(f"buckets[{b}]: names, dtypes and shapes must be lists of one equal, non-zero length")
+            checked = []
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                _str(name, f"buckets[{b}] name")
+                if name in seen:
+                    raise BadField(f"buckets: {name} appears twice")
+                seen.add(name)
+                if dtype not in REF_DTYPES:
+                    raise BadField(f"buckets[{b}] {name}: dtype {dtype!r} is not one of {REF_DTYPES}")
+                try:
+                    checked.append(list(_shape(list(shape) if isinstance(shape, tuple) else shape, name)))
+                except BadFrame:
+                    raise BadField(f"buckets[{b}] {name}: shape {shape!r} is not a list of non-negative ints") from None
+            buckets.append((names, dtypes, checked))
+        object.__setattr__(self, "buckets", buckets)
+        payloads = [list(p) for p in self.payloads] if isinstance(self.payloads, (list, tuple)) else None
+        if self.transport == "nccl" and payloads:
+            raise BadField("payloads: an nccl reference carries none (the buckets follow as broadcasts)")
+        if self.transport == "cuda-ipc":
+            if payloads is None or len(payloads) != len(buckets):
+                raise BadField(f"payloads: cuda-ipc needs one list per bucket ({len(buckets)})")
+            ranks = {len(p) for p in payloads}
+            if len(ranks) != 1 or 0 in ranks:
+                raise BadField("payloads: every bucket needs the same non-zero number of per-rank payloads")
+            for p in payloads:
+                for item in p:
+                    if not isinstance(item, (bytes, bytearray, memoryview)) or not 0 < len(item) <= MAX_REF_PAYLOAD_BYTES:
+                        raise BadField(f"payloads: each must be 1 to {MAX_REF_PAYLOAD_BYTES} bytes")
+        object.__setattr__(self, "payloads", [[bytes(x) for x in p] for p in payloads or []])
+
+    @property
+    def ranks(self) -> int:
+        """Per-rank payloads in each bucket (cuda-ipc); 0 for nccl."""
+        return len(self.payloads[0]) if self.payloads else 0
+
+
+Message = Union[TrajectoryGroup, WeightPush, Status, WeightRef]
+KINDS: dict[str, type] = {c.KIND: c for c in (TrajectoryGroup, WeightPush, Status, WeightRef)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,6 +593,11 @@ def _fields(msg: Message) -> tuple[dict, list[tuple[str, str, np.ndarray]]]:
         }
         fields.update(counters=dict(msg.counters), budget=msg.budget)
         return fields, []
+    if isinstance(msg, WeightRef):
+        fields = {"version": msg.version, "scheme": msg.scheme, "transport": msg.transport,
+                  "buckets": [list(b) for b in msg.buckets], "ranks": msg.ranks}
+        return fields, [(f"payload{b}.{i}", "uint8", np.frombuffer(x, np.uint8))
+                        for b, p in enumerate(msg.payloads) for i, x in enumerate(p)]
     raise TypeError(f"not a protocol message: {type(msg).__name__}")
 
 
@@ -561,6 +636,7 @@ _FIELDS = {
         "type", "server_id", "version", "engine", "quant", "running", "queued", "counters",
         "budget",
     ),
+    "weight_ref": ("version", "scheme", "transport", "buckets", "ranks"),
 }
 _ARRAYS = {
     "trajectory_group": {
@@ -722,7 +798,20 @@ def _status(h: dict, arrays: dict[str, tuple[str, np.ndarray]]) -> Status:
     return Status(**{k: h[k] for k in _FIELDS["status"]})
 
 
-_BUILD = {"trajectory_group": _trajectory, "weight_push": _weight_push, "status": _status}
+def _weight_ref(h: dict, arrays: dict[str, tuple[str, np.ndarray]]) -> WeightRef:
+    buckets, ranks = h["buckets"], _int(h["ranks"], "ranks")
+    if not isinstance(buckets, list):
+        raise BadField("buckets: expected a list")
+    want = [f"payload{b}.{i}" for b in range(len(buckets)) for i in range(ranks)]
+    if list(arrays) != want or any(d != "uint8" or a.ndim != 1 for d, a in arrays.values()):
+        raise BadFrame(f"weight_ref: arrays {list(arrays)[:4]}..., expected {len(want)} uint8 payloads "
+                       f"payload<bucket>.<rank> in order")
+    payloads = [[arrays[f"payload{b}.{i}"][1].tobytes() for i in range(ranks)] for b in range(len(buckets))]
+    return WeightRef(version=h["version"], scheme=h["scheme"], transport=h["transport"], buckets=buckets,
+                     payloads=payloads if ranks else ())
+
+
+_BUILD = {"trajectory_group": _trajectory, "weight_push": _weight_push, "status": _status, "weight_ref": _weight_ref}
 
 
 def decode(

@@ -19,6 +19,7 @@ FP8_BLOCK = 128
 SCALE_SUFFIX = {"none": None, "int8": "_scale", "fp8-block": "_scale_inv"}
 CODE_DTYPE = {"int8": torch.int8, "fp8-block": torch.float8_e4m3fn}
 DEFAULT_BUCKET_BYTES = 256 << 20
+GROUP_NAME = "qurl-weights"  # the weight-update process group of learner rank 0 and the replicas
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -113,6 +114,19 @@ def flatten(bucket: Named) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def views(flat: torch.Tensor, meta: tuple[list[str], list[str], list[list[int]]]) -> Named:
+    """The bucket's tensors as views of a buffer laid out by flatten(), in bucket_meta's order."""
+    out, offset = [], 0
+    for name, dtype, shape in zip(*meta, strict=True):
+        dt = getattr(torch, dtype)
+        size = math.prod(shape) * dt.itemsize
+        out.append((name, flat[offset:offset + size].view(dt).view(shape)))
+        offset += size
+    if offset != flat.numel():
+        raise ValueError(f"bucket metadata covers {offset} bytes, the buffer holds {flat.numel()}")
+    return out
+
+
 def _prepare_reductions(bucket: Named) -> None:
     """CUDA tensors need SGLang's patched reducers (device by UUID); with them active, CPU tensors cannot be pickled."""
     from torch.multiprocessing import reductions
@@ -153,6 +167,16 @@ def update_group_layout(replicas: int, tp_size: int) -> tuple[int, list[int]]:
     if replicas < 1 or tp_size < 1:
         raise ValueError(f"need replicas >= 1 and tp_size >= 1, got {replicas} and {tp_size}")
     return 1 + replicas * tp_size, [1 + r * tp_size for r in range(replicas)]
+
+
+def group_address(endpoint: str) -> tuple[str, int]:
+    """(host, port) of sync.group_endpoint; `auto` is for qurl-async to resolve before it starts the processes."""
+    if endpoint == "auto":
+        raise ValueError("sync.group_endpoint=auto: give tcp://HOST:PORT when starting this process by hand")
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not endpoint.startswith("tcp://") or not host or not port.isdigit():
+        raise ValueError(f"sync.group_endpoint={endpoint!r} is not tcp://HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 def open_update_group(master_address: str, master_port: int, world_size: int, group_name: str,

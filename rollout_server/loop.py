@@ -17,12 +17,13 @@ from qurl import books, protocol
 from qurl.config import get, run_dir
 from qurl.data import Example, PromptDataset
 from qurl.evaluate import EvalSet
-from qurl.protocol import Status, TrajectoryGroup, WeightPush
+from qurl.protocol import Status, TrajectoryGroup, WeightPush, WeightRef
 from qurl.rewards import RewardPool, RewardResult
 from qurl.transport import Receiver, Sender
 from rollout_server.admission import Admission
 from rollout_server.engines import GenRequest
 from rollout_server.engines import Sample as EngineSample
+from rollout_server.weight_refs import apply_ref
 from rollout_server.weights import WeightReceiver
 
 log = logging.getLogger("rollout_server")
@@ -166,8 +167,9 @@ class RolloutLoop:
 
     def __init__(self, cfg: Any, *, server_id: str, engine: Any, scheme: str, tokenizer: Any, dataset: PromptDataset,
                  pool: RewardPool, sockets: Sockets, secret: Optional[bytes], admission: Admission,
-                 stop_ids: list[int], eval_set: Optional[EvalSet] = None) -> None:
+                 stop_ids: list[int], eval_set: Optional[EvalSet] = None, replica: int = 0) -> None:
         self.server_id, self.engine, self.scheme = server_id, engine, scheme
+        self.replica = replica  # which per-rank payloads of a cuda-ipc WeightRef are this server's
         self.tokenizer, self.dataset, self.admission, self.stop_ids = tokenizer, dataset, admission, stop_ids
         self.sockets = sockets
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -177,7 +179,7 @@ class RolloutLoop:
         self.control_rx = Receiver(sockets.dealer, secret=secret, max_bytes=sockets.dealer.getsockopt(zmq.MAXMSGSIZE),
                                    kinds=("status",))
         self.weights_rx = Receiver(sockets.sub, secret=secret, max_bytes=sockets.sub.getsockopt(zmq.MAXMSGSIZE),
-                                   kinds=("weight_push",))
+                                   kinds=("weight_push", "weight_ref"))
         self.running: dict[int, Group] = {}  # engine request id (draw index) -> group
         self.scoring = 0  # generated groups at the scorer
         self.run_dir = run_dir(cfg)
@@ -328,13 +330,41 @@ class RolloutLoop:
         """Drain the SUB socket and apply what it brought, in version order (rollout_server/weights.py)."""
         if self.eval_run is not None:  # every eval token comes from one version
             return
-        pushes: list[WeightPush] = []
+        pushes: list[WeightPush | WeightRef] = []
         while self.sockets.sub.poll(0):
             msg = self.weights_rx.recv(timeout_ms=0)
             if msg is not None:
                 pushes.append(msg)
         self.counters["bad_messages"] = self._rejected()
-        self.weights.apply(pushes)
+        self.weights.apply([m for m in pushes if isinstance(m, WeightPush)])
+        refs = [m for m in pushes if isinstance(m, WeightRef)]
+        newest = max(refs, key=lambda r: r.version, default=None)
+        if newest is None:
+            return
+        if newest.version <= self.engine.version:  # a re-announce for a server that lags, or a stale one
+            self.counters["weight_pushes_ignored"] += len(refs)
+        elif newest.scheme != self.scheme:
+            self._reject_push(newest, f"scheme {newest.scheme!r}, this engine holds {self.scheme!r}")
+        else:
+            self.counters["weight_pushes_ignored"] += len(refs) - 1
+            self._apply_ref(newest)
+
+    def _apply_ref(self, ref: WeightRef) -> None:
+        """A cuda-ipc / nccl push; the next tick reports the new version at once (the learner waits on it)."""
+        started = time.perf_counter()
+        try:
+            apply_ref(self.engine, ref, self.replica)
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+            self._reject_push(ref, str(exc))
+            return
+        self.counters["weight_pushes_applied"] += 1
+        self._last_heartbeat = 0.0
+        log.info("applied weights version %d by %s (%d buckets) in %.3f s", ref.version, ref.transport,
+                 len(ref.buckets), time.perf_counter() - started)
+
+    def _reject_push(self, push: WeightPush | WeightRef, why: str) -> None:
+        self.counters["weight_pushes_rejected"] += 1
+        log.error("rejected weight push version %d: %s", push.version, " ".join(why.split())[:300])
 
     def _poll_control(self) -> None:
         while self.sockets.dealer.poll(0):

@@ -22,6 +22,7 @@ from qurl.rewards import RewardError, RewardPool
 from rollout_server.admission import Admission
 from rollout_server.engines import load_engine
 from rollout_server.loop import RolloutLoop, Sockets, stop_token_ids
+from rollout_server.weight_refs import join_update_group
 
 PROG = "qurl-rollout-server"
 TRAJECTORY_MAX_BYTES = 64 << 20  # a group: prompt + n responses, far below this
@@ -29,6 +30,14 @@ CONTROL_MAX_BYTES = 1 << 20
 WEIGHTS_MAX_BYTES = 1 << 40  # a full push of a large model; the HMAC and shape checks still apply
 
 log = logging.getLogger("rollout_server")
+
+
+def replica_index() -> int:
+    """This server's replica index (which GPUs of cluster.rollout_gpus it runs on): qurl-async sets QURL_SERVER_INDEX."""
+    raw = os.environ.get("QURL_SERVER_INDEX", "0")
+    if not raw.isdigit():
+        raise ValueError(f"QURL_SERVER_INDEX={raw!r} must be this server's replica index: 0, 1, ...")
+    return int(raw)
 
 
 def _auto_endpoint(cfg: DictConfig) -> Optional[str]:
@@ -59,7 +68,7 @@ def check_vocab(tokenizer_size: int, vocab_size: int, path: str) -> None:
                          f"{vocab_size}; the tokenizer and the weights belong to different models")
 
 
-def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack) -> RolloutLoop:
+def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replica: int = 0) -> RolloutLoop:
     """Tokenizer, prompts, engine, reward pool and sockets, wired into one loop; cleanup closes them."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -76,9 +85,19 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack) -> Rol
                             instruction=get(cfg, "data.instruction"), seed=get(cfg, "run.seed"),
                             shuffle=get(cfg, "data.shuffle"))
     scheme = scheme_for(get(cfg, "rollout.quant"), get(cfg, "quant.fp8_granularity"))
+    options = {}
+    if get(cfg, "rollout.engine") == "sglang":
+        from rollout_server.engines.sglang_engine import placement
+
+        options = placement(cfg, replica)
     engine = load_engine(path, engine=get(cfg, "rollout.engine"), quant=scheme, dtype=get(cfg, "rollout.dtype"),
                          device=get(cfg, "rollout.device"), max_batch=get(cfg, "rollout.max_batch"),
-                         max_seq_len=get(cfg, "rollout.max_seq_len"))
+                         max_seq_len=get(cfg, "rollout.max_seq_len"), **options)
+    if hasattr(engine, "close"):
+        cleanup.callback(engine.close)
+    if get(cfg, "sync.transport") == "nccl":
+        log.info("joining the nccl weight group at %s as replica %d", get(cfg, "sync.group_endpoint"), replica)
+        join_update_group(engine, cfg, replica)
     pool = cleanup.enter_context(RewardPool(get(cfg, "reward.name"), workers=get(cfg, "reward.workers"),
                                             timeout_s=get(cfg, "reward.timeout_s")))
     sockets = open_sockets(cfg, server_id)
@@ -87,7 +106,7 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack) -> Rol
                        pool=pool, sockets=sockets, secret=get(cfg, "transport.secret").encode() or None,
                        admission=Admission(get(cfg, "async.max_staleness"), get(cfg, "train.batch_prompts")),
                        stop_ids=stop_token_ids(tokenizer, path),
-                       eval_set=load_eval_set(cfg, tokenizer, max_prompt_len))
+                       eval_set=load_eval_set(cfg, tokenizer, max_prompt_len), replica=replica)
     cleanup.callback(loop.close)
     log.info("ready: engine %s quant %s, %d prompts, pushing to %s", get(cfg, "rollout.engine"), scheme,
              len(dataset), get(cfg, "transport.trajectories"))
@@ -100,7 +119,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if problem:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
-    server_id = f"rollout-{os.environ.get('QURL_SERVER_INDEX', '0')}-{os.getpid()}"
+    try:
+        replica = replica_index()
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    server_id = f"rollout-{replica}-{os.getpid()}"
     logging.basicConfig(level=get(cfg, "log.level").upper(), stream=sys.stderr,
                         format=f"%(asctime)s {server_id} %(levelname)s %(message)s")
     stop = threading.Event()
@@ -114,7 +138,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     with contextlib.ExitStack() as cleanup:
         try:
-            loop = build(cfg, server_id, cleanup)
+            loop = build(cfg, server_id, cleanup, replica)
         except (DatasetError, RewardError, ValueError, OSError) as exc:
             print(f"{PROG}: {' '.join(str(exc).split())}", file=sys.stderr)
             return 1

@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -607,53 +608,113 @@ def test_fp8_block_payload_refits_sglang_fp8_layers_in_place(sg):
 
 
 @needs_sglang
-def test_flattened_buckets_arrive_through_sglang_distributed_receive(sg, tmp_path):
-    """Learner rank 0 broadcasts our buckets (gloo here, NCCL on GPUs); SGLang's WeightUpdater receives them."""
-    import socket
+def test_learner_nccl_push_reaches_a_replica_through_sglang_distributed_receive(sg, tmp_path, weight_hub):
+    """The learner's NcclPush (gloo here, NCCL on GPUs) announces a WeightRef over ZeroMQ and broadcasts the buckets;
+    in another process a TP-1 replica decodes the ref and SGLang's own WeightUpdater receives every bucket."""
+    from learner.push_transport import NcclPush
 
-    named = payload.named_tensors(quantize_state_dict(layer_tensors(PREFIX, 256, 4, 2, 64, 384), "fp8-block"),
-                                  "fp8-block")
-    bs = payload.buckets(named, 200_000)
-    metas = [payload.bucket_meta(b) for b in bs]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spec = tmp_path / "metas.json"
-    spec.write_text(json.dumps({"port": port, "metas": metas}))
+    sender, endpoint, _ = weight_hub
+    pushed = quantize_state_dict(layer_tensors(PREFIX, 256, 4, 2, 64, 384), "fp8-block")
+    port = _free_port()
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"port": port, "weights": endpoint}))
     out = tmp_path / "received.pt"
     child = subprocess.Popen([sys.executable, __file__, "--replica", str(spec), str(out)])
     try:
-        group = payload.open_update_group("127.0.0.1", port, world_size=2, group_name="qurl-test", backend="gloo")
-        payload.broadcast_buckets(bs, group, "cpu")
+        push = NcclPush(sender, "fp8-block", torch.device("cpu"), f"tcp://127.0.0.1:{port}", replicas=1, tp_size=1,
+                        bucket_bytes=200_000)
+        push.open()  # returns once the replica has joined (it subscribed to the weights first)
+        time.sleep(0.5)  # PUB/SUB: let the subscription land
+        stats = push.publish(3, pushed)
         assert child.wait(timeout=120) == 0
     finally:
         if child.poll() is None:
             child.kill()
-    received = torch.load(out)
-    assert len(received) == len(bs)
+    version, received = torch.load(out)
+    bs = payload.buckets(payload.named_tensors(pushed, "fp8-block"), 200_000)
+    assert version == 3 and len(received) == len(bs) > 1
     for got, bucket in zip(received, bs):
         assert_same(got, bucket)
+    assert stats.bytes == sum(t.nbytes for t in pushed.values())
 
 
 def _replica_main(spec_path: str, out_path: str) -> None:
-    """Child side of the test above: a TP-1 SGLang replica's WeightUpdater joins the group and receives."""
+    """Child side of the test above: subscribe, join the group with SGLang's WeightUpdater, receive per the ref."""
     stand_in_for_torchvision()
     import torch.distributed as dist
+    import zmq
 
+    from qurl import transport
+    from qurl.protocol import WeightRef
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     spec = json.loads(Path(spec_path).read_text())
+    ctx = zmq.Context()
+    rx = transport.Receiver(transport.connect(ctx, zmq.SUB, spec["weights"], max_bytes=1 << 30), secret=b"k",
+                            max_bytes=1 << 30, kinds=("weight_push", "weight_ref"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)  # the replica's own (TP) world
     updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
                             get_model=None, update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None)
-    ok, msg = updater.init_weights_update_group("127.0.0.1", spec["port"], rank_offset=1, world_size=2,
-                                                group_name="qurl-test", backend="gloo")
+    world, offsets = payload.update_group_layout(1, 1)
+    ok, msg = updater.init_weights_update_group("127.0.0.1", spec["port"], rank_offset=offsets[0], world_size=world,
+                                                group_name=payload.GROUP_NAME, backend="gloo")
     assert ok, msg
-    received = [updater.receive_weights_from_distributed(names=n, dtypes=d, shapes=s, group_name="qurl-test",
+    ref = rx.recv(timeout_ms=60_000)
+    assert isinstance(ref, WeightRef) and ref.transport == "nccl", ref
+    received = [updater.receive_weights_from_distributed(names=n, dtypes=d, shapes=s, group_name=payload.GROUP_NAME,
                                                          load_format="flattened_bucket")
-                for n, d, s in spec["metas"]]
-    torch.save([[(name, t.clone()) for name, t in bucket] for bucket in received], out_path)
+                for n, d, s in ref.buckets]
+    torch.save((ref.version, [[(name, t.clone()) for name, t in bucket] for bucket in received]), out_path)
+    ctx.destroy(linger=0)
+
+
+@needs_sglang
+def test_learner_ipc_push_rewrites_its_buffers_and_payloads_open_in_sglang(sg, weight_hub):
+    """IpcPush (CPU tensors here, CUDA on GPUs): per-rank payloads of views into persistent buffers, announced as a
+    WeightRef; SGLang's allow-list unpickler opens each as the pushed (name, tensor) pairs; a second push rewrites
+    the same buffers once the servers report the first version."""
+    import zmq
+
+    from learner.push_transport import IpcPush
+    from learner.weight_sender import ServerInfo
+    from qurl import transport
+    from qurl.protocol import WeightRef
+    from rollout_server.weight_refs import apply_ref
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    sender, endpoint, ctx = weight_hub
+    rx = transport.Receiver(transport.connect(ctx, zmq.SUB, endpoint, max_bytes=1 << 30), secret=b"k",
+                            max_bytes=1 << 30, kinds=("weight_ref",))
+    time.sleep(0.3)
+    push = IpcPush(sender, "int8", torch.device("cpu"), ranks=4, bucket_bytes=200_000)
+    buffers = None
+    for version, seed in ((1, 0), (2, 1)):
+        pushed = quantize_state_dict(layer_tensors(PREFIX, 256, 4, 2, 64, 384, seed=seed), "int8")
+        push.publish(version, pushed)
+        buffers = buffers or list(push.buffers)
+        assert all(a is b for a, b in zip(buffers, push.buffers))  # rewritten in place, never reallocated
+        ref = rx.recv(timeout_ms=5000)
+        assert isinstance(ref, WeightRef) and ref.version == version and ref.ranks == 4
+        opened = dict(pair for p in ref.payloads for pair in MultiprocessingSerializer.deserialize(p[3]))
+        assert opened.keys() == pushed.keys()
+        assert all(torch.equal(opened[k].view(torch.uint8), pushed[k].view(torch.uint8)) for k in pushed)
+        sender.servers = {"rollout-0": ServerInfo(version, 0, 0, time.monotonic())}  # as its heartbeat says
+
+    class Replica:  # the SGLangEngine surface apply_ref uses; a live one needs CUDA (gpu_check_sglang.sh)
+        tp_size = 2
+
+        def check_metas(self, metas):
+            self.metas = metas
+
+        def apply_serialized(self, payloads, version):
+            self.got = (payloads, version)
+
+    replica = Replica()
+    apply_ref(replica, ref, replica=1)
+    assert replica.got == ([p[2:4] for p in ref.payloads], 2) and replica.metas == ref.buckets
+    with pytest.raises(ValueError, match="replica 2 with tp 2"):
+        apply_ref(replica, ref, replica=2)
 
 
 def _free_port() -> int:

@@ -74,8 +74,15 @@ def load_engine(
     device: str = "cpu",
     max_batch: int = 64,
     max_seq_len: int = 2048,
+    tp_size: int = 1,
+    gpus: list[int] | None = None,
+    mem_fraction: float | None = None,
+    seed: int = 0,
 ):
-    """Build a rollout engine from a Hugging Face folder; the import stays lazy so this module is light."""
+    """Build a rollout engine from a Hugging Face folder; the import stays lazy so this module is light.
+
+    tp_size, gpus (this replica's GPUs, see sglang_engine.placement), mem_fraction and seed apply to SGLang only.
+    """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; allowed: {', '.join(ENGINES)}")
     if quant not in QUANTS:
@@ -86,8 +93,11 @@ def load_engine(
         from rollout_server.engines.sglang_engine import SGLangEngine
 
         return SGLangEngine.from_pretrained(
-            model_path, quant=quant, dtype=dtype, device=device, max_batch=max_batch, max_seq_len=max_seq_len
+            model_path, quant=quant, dtype=dtype, device=device, max_batch=max_batch, max_seq_len=max_seq_len,
+            tp_size=tp_size, gpus=gpus, mem_fraction=mem_fraction, seed=seed,
         )
+    if tp_size != 1:
+        raise ValueError(f"rollout.tp_size={tp_size} needs rollout.engine=sglang; the torch engine runs on one device")
     from rollout_server.engines.torch_engine import TorchEngine
 
     return TorchEngine.from_pretrained(

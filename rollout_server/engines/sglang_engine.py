@@ -33,7 +33,7 @@ FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "
                     "weight_block_size": [payload.FP8_BLOCK, payload.FP8_BLOCK]}
 DTYPES = ("float32", "bfloat16")
 POLL_S = 0.005  # how long step() lets SGLang's event loop run when nothing has finished yet
-UPDATE_GROUP = "qurl-weights"
+UPDATE_GROUP = payload.GROUP_NAME
 
 
 def require_sglang() -> None:
@@ -53,6 +53,15 @@ def replica_gpus(rollout_gpus: list[int], tp_size: int, replica: int) -> list[in
         raise ValueError(f"cluster.rollout_gpus={list(rollout_gpus)} has no {tp_size} GPUs for rollout replica {replica} "
                          f"(rollout.tp_size={tp_size})")
     return group
+
+
+def placement(cfg: Any, replica: int) -> dict[str, Any]:
+    """load_engine's SGLang keywords for replica `replica`: its rollout.tp_size GPUs of cluster.rollout_gpus."""
+    from qurl.config import get
+
+    tp, gpus = get(cfg, "rollout.tp_size"), list(get(cfg, "cluster.rollout_gpus"))
+    return {"tp_size": tp, "gpus": replica_gpus(gpus, tp, replica) if gpus else None,
+            "mem_fraction": get(cfg, "rollout.mem_fraction"), "seed": get(cfg, "run.seed")}
 
 
 def engine_args(model_path: str, *, scheme: str, dtype: str, tp_size: int, gpus: list[int], max_batch: int,
@@ -238,19 +247,6 @@ class SGLangEngine:
                 raise
         return self
 
-    @classmethod
-    def from_config(cls, cfg: Any, replica: int = 0) -> "SGLangEngine":
-        """Replica `replica` of a qurl config: rollout.tp_size GPUs from cluster.rollout_gpus."""
-        from qurl.config import get
-        from qurl.quant import scheme_for
-
-        tp = get(cfg, "rollout.tp_size")
-        return cls.from_pretrained(
-            get(cfg, "model.path"), quant=scheme_for(get(cfg, "rollout.quant"), get(cfg, "quant.fp8_granularity")),
-            dtype=get(cfg, "rollout.dtype"), max_batch=get(cfg, "rollout.max_batch"),
-            max_seq_len=get(cfg, "rollout.max_seq_len"), tp_size=tp,
-            gpus=replica_gpus(list(get(cfg, "cluster.rollout_gpus")), tp, replica), seed=get(cfg, "run.seed"))
-
     # -- generation ----------------------------------------------------------------------------
 
     @property
@@ -357,15 +353,19 @@ class SGLangEngine:
         if not ok:
             raise RuntimeError(f"sglang init_weights_update_group failed: {msg}")
 
+    def check_metas(self, metas: list[tuple[list[str], list[str], list[list[int]]]], partial: bool = False) -> None:
+        """check_push on bucket metadata alone (names, dtypes, shapes), before any bytes are loaded."""
+        check_push(self.expected, {n: torch.empty(s, dtype=getattr(torch, d), device="meta")
+                                   for names, dtypes, shapes in metas
+                                   for n, d, s in zip(names, dtypes, shapes, strict=True)}, partial)
+
     def receive_broadcast(self, metas: list[tuple[list[str], list[str], list[list[int]]]], version: int,
                           group_name: str = UPDATE_GROUP, partial: bool = False) -> None:
         """Separate-GPU push: receive one flattened NCCL broadcast per bucket (bucket_meta of each) from learner rank 0."""
         if self.scheme == "int8":
             raise ValueError("INT8 refits need update_weights_from_tensor: sglang 0.5.23 loads distributed updates "
                              "with model.load_weights, which cannot write w8a8_int8 weights after the first load")
-        check_push(self.expected, {n: torch.empty(s, dtype=getattr(torch, d), device="meta")  # metadata only
-                                   for names, dtypes, shapes in metas
-                                   for n, d, s in zip(names, dtypes, shapes, strict=True)}, partial)
+        self.check_metas(metas, partial)
 
         def request(meta: tuple, last: bool) -> Any:
             return self._tm.update_weights_from_distributed(distributed_update_request(meta, group_name, last, version), None)

@@ -1,0 +1,114 @@
+"""How rank 0's weight push reaches the rollout engines (config `sync.transport`).
+
+zmq: quantized tensors in a WeightPush over the PUB socket (any engine, CPU or GPU). cuda-ipc (SGLang replicas on
+this node): the buckets live in CUDA buffers on rank 0's GPU, allocated at the first push and rewritten in place,
+and a WeightRef carries per-rank handles (serialize_named of views into them). The buffers are never freed, so
+torch's IPC refcounts never matter; a push waits until every live server reports the previous version before it
+overwrites them. nccl (SGLang replicas on other GPUs): rank 0 and every replica's TP ranks join one process group
+at start; a push sends a WeightRef with the bucket metadata, then broadcasts each bucket flattened.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from omegaconf import DictConfig
+
+from learner.weight_sender import PushStats, WeightSender
+from qurl import sglang_payload as payload
+from qurl.config import get
+from qurl.protocol import WeightRef
+
+log = logging.getLogger("learner")
+
+IPC_ACK_TIMEOUT_S = 300.0  # how long a cuda-ipc push waits for servers still loading the previous one
+
+
+class ZmqPush:
+    """Tensors over ZeroMQ: the servers call engine.update_weights."""
+
+    def __init__(self, sender: WeightSender) -> None:
+        self.sender = sender
+
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> PushStats:
+        return self.sender.publish(version, tensors)
+
+
+class IpcPush:
+    """CUDA IPC handles to persistent buckets on this GPU: the servers call SGLangEngine.apply_serialized."""
+
+    def __init__(self, sender: WeightSender, scheme: str, device: torch.device, ranks: int,
+                 bucket_bytes: int = payload.DEFAULT_BUCKET_BYTES, ack_timeout_s: float = IPC_ACK_TIMEOUT_S) -> None:
+        self.sender, self.scheme, self.device, self.ranks = sender, scheme, device, ranks
+        self.bucket_bytes, self.ack_timeout_s = bucket_bytes, ack_timeout_s
+        self.metas: list | None = None
+        self.buffers: list[torch.Tensor] = []
+        self.version: int | None = None  # the version the buffers hold
+
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> PushStats:
+        buckets = payload.buckets(payload.named_tensors(tensors, self.scheme), self.bucket_bytes)
+        metas = [payload.bucket_meta(b) for b in buckets]
+        if self.metas is None:
+            self.metas = metas
+            self.buffers = [torch.empty(sum(t.numel() * t.element_size() for _, t in b), dtype=torch.uint8,
+                                        device=self.device) for b in buckets]
+        elif metas != self.metas:
+            raise ValueError("sync.transport=cuda-ipc: a push changed the tensors' names, dtypes or shapes")
+        else:
+            behind = self.sender.wait_applied(self.version, self.ack_timeout_s)
+            if behind:
+                log.warning("cuda-ipc push %d overwrites version %d that %s did not report applied within %.0f s",
+                            version, self.version, ", ".join(behind), self.ack_timeout_s)
+        for flat, bucket in zip(self.buffers, buckets):
+            flat.copy_(payload.flatten(bucket))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the bytes are in place before any server can read them
+        self.version = version
+        payloads = [payload.serialize_named(payload.views(flat, meta), self.ranks)
+                    for flat, meta in zip(self.buffers, metas)]
+        ref = WeightRef(version=version, scheme=self.scheme, transport="cuda-ipc", buckets=metas, payloads=payloads)
+        return self.sender.announce(version, ref, tensors, repush=True)
+
+
+class NcclPush:
+    """One broadcast per bucket from rank 0 to every replica: the servers call SGLangEngine.receive_broadcast."""
+
+    def __init__(self, sender: WeightSender, scheme: str, device: torch.device, endpoint: str, replicas: int,
+                 tp_size: int, bucket_bytes: int = payload.DEFAULT_BUCKET_BYTES) -> None:
+        self.sender, self.scheme, self.device, self.bucket_bytes = sender, scheme, device, bucket_bytes
+        self.address = payload.group_address(endpoint)
+        self.world, _ = payload.update_group_layout(replicas, tp_size)
+        self.group = None
+
+    def open(self) -> None:
+        """Join the update group as rank 0; returns once every replica's TP ranks have joined too."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        log.info("waiting for %d rollout ranks to join the %s weight group at %s:%d", self.world - 1, backend,
+                 *self.address)
+        self.group = payload.open_update_group(*self.address, self.world, payload.GROUP_NAME, backend)
+
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> PushStats:
+        if self.group is None:
+            raise RuntimeError("NcclPush.open() must run before the first push")
+        buckets = payload.buckets(payload.named_tensors(tensors, self.scheme), self.bucket_bytes)
+        ref = WeightRef(version=version, scheme=self.scheme, transport="nccl",
+                        buckets=[payload.bucket_meta(b) for b in buckets])
+        stats = self.sender.announce(version, ref, tensors, repush=False)
+        started = time.perf_counter()
+        payload.broadcast_buckets(buckets, self.group, self.device)
+        return PushStats(stats.seconds + time.perf_counter() - started, stats.bytes, stats.changed_frac)
+
+
+def build(cfg: DictConfig, sender: WeightSender, scheme: str, device: torch.device):
+    """The transport sync.transport names; nccl also joins the update group (blocks until the replicas join)."""
+    kind = get(cfg, "sync.transport")
+    if kind == "zmq":
+        return ZmqPush(sender)
+    tp = get(cfg, "rollout.tp_size")
+    replicas = len(get(cfg, "cluster.rollout_gpus")) // tp
+    if kind == "cuda-ipc":
+        return IpcPush(sender, scheme, device, replicas * tp)
+    push = NcclPush(sender, scheme, device, get(cfg, "sync.group_endpoint"), replicas, tp)
+    push.open()
+    return push
