@@ -9,6 +9,8 @@ at start; a push sends a WeightRef with the bucket metadata, then broadcasts eac
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 
@@ -97,7 +99,7 @@ class NcclPush:
         stats = self.sender.announce(version, ref, tensors, repush=False)
         started = time.perf_counter()
         payload.broadcast_buckets(buckets, self.group, self.device)
-        return PushStats(stats.seconds + time.perf_counter() - started, stats.bytes, stats.changed_frac)
+        return dataclasses.replace(stats, seconds=stats.seconds + time.perf_counter() - started)
 
 
 def build(cfg: DictConfig, sender: WeightSender, scheme: str, device: torch.device):

@@ -138,7 +138,8 @@ class WeightSender:
             self.pub.send(ref)
             self.pushes += 1
         self._codes = codes
-        return PushStats(time.perf_counter() - started, sum(t.nbytes for t in tensors.values()), changed)
+        nbytes = sum(t.nbytes for t in tensors.values())
+        return PushStats(time.perf_counter() - started, nbytes, changed, nbytes, "full")
 
     def wait_applied(self, version: int, timeout_s: float) -> list[str]:
         """Wait until every server heard from lately reports `version` or newer; return those still behind."""

@@ -24,7 +24,7 @@ from learner.weight_sender import WeightSender
 from qurl import delta, sglang_payload, transport
 from qurl.protocol import BadField, BadFrame, Status, WeightPush, decode, encode, from_torch
 from qurl.quant import quantize_state_dict
-from rollout_server.engines import load_engine
+from rollout_server.engines import GenRequest, load_engine
 from rollout_server.engines import sglang_engine as se
 from rollout_server.weights import WeightReceiver
 
@@ -114,6 +114,8 @@ def test_engine_after_deltas_equals_engine_after_a_full_push(model_dir, trajecto
     b.update_weights({k: v.clone() for k, v in versions[4].items()}, 4)
     assert same(a.weights, b.weights) and same(a.weights, versions[4])
     assert ptrs == {k: v.data_ptr() for k, v in a.weights.items()}, "a delta must write into the existing buffers"
+    req = [GenRequest([3, 5, 7, 11], n=1, max_new_tokens=6, temperature=0)]
+    assert a.generate(req)[0].samples[0].logprobs == b.generate(req)[0].samples[0].logprobs  # derived copies too
 
     # a missed version: the delta for 6 does not apply on 4; the receiver asks for a full push, changes nothing
     receiver.apply([wire(delta_of(versions[5], versions[6], 6))])

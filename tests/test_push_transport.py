@@ -114,10 +114,10 @@ def test_announced_refs_reach_a_server_and_nccl_refs_are_never_repushed(hub):
     stats = sender.announce(1, ref, tensors, repush=False)
     got = rx.recv(timeout_ms=5000)
     assert isinstance(got, WeightRef) and got.version == 1 and got.buckets[0][0] == META[0]
-    assert stats.bytes == 256 * 128 + 2 * 4 and sender.version == 1 and sender._push is None
+    assert stats.bytes == 256 * 128 + 2 * 4 and sender.version == 1 and sender._full is None
     ipc = WeightRef(version=2, scheme="fp8-block", transport="cuda-ipc", buckets=[META], payloads=[[b"h0", b"h1"]])
     sender.announce(2, ipc, tensors, repush=True)
-    assert rx.recv(timeout_ms=5000).payloads == [[b"h0", b"h1"]] and sender._push is ipc
+    assert rx.recv(timeout_ms=5000).payloads == [[b"h0", b"h1"]] and sender._full is ipc
 
 
 def test_wait_applied_returns_the_live_servers_still_behind(hub):

@@ -252,4 +252,5 @@ class TorchEngine:
         """Apply a delta push (qurl.delta.split_push) in place as `version`; all or nothing, proven by `checksum`."""
         with torch.inference_mode():
             delta.apply(self._weights, whole, deltas, checksum)
+            self.model.repack([*whole, *deltas])
         self._version = int(version)
