@@ -64,7 +64,7 @@ class Recipe:
     batch: int = 256
     max_steps: int = 800
     eval_every: int = 10
-    target_acc: float = 0.3
+    target_acc: float = 0.2
     version: int = RECIPE_VERSION
 
     def fingerprint(self) -> str:
