@@ -28,13 +28,12 @@ import zmq
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import machine_info  # noqa: E402  (benchmarks/common.py)
+from common import QWEN2_150M, emit, machine_info  # noqa: E402  (benchmarks/common.py)
 from qurl import transport  # noqa: E402
 from qurl.demo.prepare import Recipe, default_root, read_info  # noqa: E402
 from qurl.protocol import Sample, Status, TrajectoryGroup  # noqa: E402
 
-QWEN2_150M = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-                  intermediate_size=2816, vocab_size=32000, tie_word_embeddings=False)
+LARGE = dict(QWEN2_150M, tie_word_embeddings=False)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, tie_word_embeddings=True)
 # model -> (prompts per batch, samples per prompt, prompt tokens, response tokens)
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "demo":
                 path, label = demo_model(tmp)
             elif name in ("qwen2-150m", "tiny"):
-                path, label = random_qwen2(os.path.join(tmp, name), QWEN2_150M if name == "qwen2-150m" else TINY), name
+                path, label = random_qwen2(os.path.join(tmp, name), LARGE if name == "qwen2-150m" else TINY), name
             else:
                 ap.error(f"--models: unknown model {name!r}; use demo or qwen2-150m")
             params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
@@ -173,11 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
     result = {"benchmark": "learner_step", "machine": machine_info(), "rows": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return 0
 
 

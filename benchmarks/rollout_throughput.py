@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import statistics
@@ -23,11 +22,10 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info  # noqa: E402  (benchmarks/common.py)
+from common import QWEN2_150M, emit, machine_info  # noqa: E402  (benchmarks/common.py)
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
-FULL = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-            intermediate_size=2816, vocab_size=32000)
+FULL = QWEN2_150M
 QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=256)
 # config -> (quant, model dtype). "+bf16": quantized linears with bf16 embeddings, norms, lm_head and KV cache
@@ -207,11 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
               "ratios": ratios(rows, 4 if q else 16),
               # from each row's fastest repeat: on a shared machine, the least disturbed view
               "ratios_best": ratios(rows, 4 if q else 16, "tokens_per_s_best")}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return result
 
 

@@ -27,15 +27,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info  # noqa: E402  (benchmarks/common.py)
+from common import QWEN2_150M, emit, machine_info  # noqa: E402  (benchmarks/common.py)
 from qurl import delta  # noqa: E402
 from qurl.protocol import WeightPush, decode, encode, from_torch  # noqa: E402
 from qurl.quant import quantize_state_dict  # noqa: E402
 from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
 from rollout_server.engines import load_engine  # noqa: E402
 
-LARGE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-             intermediate_size=2816, vocab_size=32000)
+LARGE = QWEN2_150M
 QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=512)
 DEMO_LR, LARGE_LR = 1.5e-4, 1e-6
@@ -203,11 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += runs + [summary(runs)]
             rows += checksum_rows(name, path)
     out = {"benchmark": "sync", "machine": machine_info(), "rows": rows}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(out, args.out)
     return 0
 
 

@@ -13,7 +13,6 @@ raw_zmq row sends the very same frames and only receives them. Medians over repe
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 import zmq
 
-from common import machine_info  # benchmarks/common.py
+from common import emit, machine_info  # benchmarks/common.py
 from qurl import protocol, transport
 from qurl.protocol import Sample, TrajectoryGroup, WeightPush, WireTensor
 
@@ -229,11 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     result = run(args.quick)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
