@@ -70,7 +70,7 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack) -> Rol
     scheme = scheme_for(get(cfg, "rollout.quant"), get(cfg, "quant.fp8_granularity"))
     engine = load_engine(path, engine=get(cfg, "rollout.engine"), quant=scheme, dtype=get(cfg, "rollout.dtype"),
                          device=get(cfg, "rollout.device"), max_batch=get(cfg, "rollout.max_batch"),
-                         max_seq_len=get(cfg, "rollout.max_seq_len"))
+                         max_seq_len=get(cfg, "rollout.max_seq_len"), weight_bits=get(cfg, "quant.weight_bits"))
     pool = cleanup.enter_context(RewardPool(get(cfg, "reward.name"), workers=get(cfg, "reward.workers"),
                                             timeout_s=get(cfg, "reward.timeout_s")))
     sockets = open_sockets(cfg, server_id)

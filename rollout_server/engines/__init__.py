@@ -74,14 +74,19 @@ def load_engine(
     device: str = "cpu",
     max_batch: int = 64,
     max_seq_len: int = 2048,
+    weight_bits: int = 8,
 ):
-    """Build a rollout engine from a Hugging Face folder; the import stays lazy so this module is light."""
+    """Build a rollout engine from a Hugging Face folder; the import stays lazy so this module is light.
+
+    weight_bits < 8 (torch engine, int8 only) is the quant.weight_bits mismatch study knob."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; allowed: {', '.join(ENGINES)}")
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}; allowed: {', '.join(QUANTS)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    if weight_bits != 8 and engine != "torch":
+        raise ValueError(f"weight_bits={weight_bits} needs engine 'torch', got {engine!r}")
     if engine == "sglang":  # GPU nodes; fails with one line (install the `sglang` extra) where sglang is absent
         from rollout_server.engines.sglang_engine import SGLangEngine
 
@@ -90,6 +95,5 @@ def load_engine(
         )
     from rollout_server.engines.torch_engine import TorchEngine
 
-    return TorchEngine.from_pretrained(
-        model_path, quant=quant, dtype=dtype, device=device, max_batch=max_batch, max_seq_len=max_seq_len
-    )
+    return TorchEngine.from_pretrained(model_path, quant=quant, dtype=dtype, device=device, max_batch=max_batch,
+                                       max_seq_len=max_seq_len, weight_bits=weight_bits)
