@@ -117,3 +117,20 @@ def test_ablation_quick_writes_rows_and_plot_and_skips_finished_runs(demo_dir, t
     assert "1 of 1 runs already finished, skipped" in second.stderr
     again = json.loads((tmp_path / "ablation.json").read_text())
     assert again["rows"][0]["wall_s"] == row["wall_s"]  # no new attempt was made
+
+
+def test_summary_tables_present_results_and_names_missing_ones(tmp_path):
+    import summary
+
+    rows = [{"engine": "torch", "dtype": "int8", "tokens_per_s": 1234.5678, "repeats": 3, "detail": {"x": 1}}]
+    (tmp_path / "rollout_throughput.json").write_text(json.dumps(
+        {"benchmark": "rollout_throughput", "machine": {"cpu": "TestCPU", "cores": 2}, "rows": rows}))
+    (tmp_path / "pipeline.json").write_text(json.dumps(
+        {"benchmark": "pipeline", "machine": {"cpu": "TestCPU"}, "rows": [{"quant": "int8", "max_staleness": 1}],
+         "ratios": {"async_over_sync": {"int8/staleness1": 1.4}}}))
+    out = tmp_path / "RESULTS.md"
+    assert summary.main(["--results", str(tmp_path), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| engine | dtype | tokens_per_s | repeats |" in text and "| torch | int8 | 1235 | 3 |" in text
+    assert "Machine: cpu TestCPU, cores 2" in text and '"int8/staleness1": 1.4' in text
+    assert f"Not run yet: `python benchmarks/wire.py --out {tmp_path}/wire.json`" in text
