@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, what in BENCHMARKS:
         lines += section(name, what, args.results)
     with open(args.out, "w") as f:
-        f.write("\n".join(lines))
+        f.write("\n".join(lines).rstrip() + "\n")
     print(f"summary: wrote {args.out}" + (f"; these failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0
 
