@@ -529,7 +529,7 @@ class Learner:
         """What the rollout engine loads: tied lm_head dropped, linears quantized, the rest in the engine's dtype."""
         if self.tied:
             state.pop("lm_head.weight", None)
-        out = quantize_state_dict(state, self.scheme)
+        out = quantize_state_dict(state, self.scheme, self.cfg.quant.weight_bits)
         # passed-through tensors may share storage with the live parameters (one rank): copy them, so that a
         # later re-push of this version sends this version
         return {k: v.to(self.engine_dtype, copy=True) if v is state.get(k) else v for k, v in out.items()}

@@ -101,6 +101,7 @@ class InvariantScalingConfig:
 class QuantConfig:
     invariant_scaling: InvariantScalingConfig = field(default_factory=InvariantScalingConfig)
     fp8_granularity: str = "block"  # block (128x128, SGLang's layout) | channel
+    weight_bits: int = 8  # experimental: 4..7 puts int8 rollout weights on a coarser grid to stress mismatch
 
 
 @dataclass
@@ -339,6 +340,11 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
     targets = list(get(cfg, "quant.invariant_scaling.targets"))
     if not targets or any(t not in ("qkv", "mlp") for t in targets):
         raise ConfigError(f"quant.invariant_scaling.targets={targets} is not allowed; use [qkv] or [qkv, mlp]")
+    bits = get(cfg, "quant.weight_bits")
+    int_torch = get(cfg, "rollout.quant") == "int8" and get(cfg, "rollout.engine") == "torch"
+    if bits != 8 and not (4 <= bits <= 7 and int_torch):
+        raise ConfigError(f"quant.weight_bits={bits!r} is not allowed; use 8, or 4..7 with rollout.quant=int8 and "
+                          "rollout.engine=torch (a mismatch study knob)")
     name = get(cfg, "reward.name")
     if name not in ("math", "arith") and not re.fullmatch(r"[\w.]+:\w+", name):
         raise ConfigError(f"reward.name={name!r} is not allowed; use math, arith or package.module:function")

@@ -92,7 +92,8 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
         options = placement(cfg, replica)
     engine = load_engine(path, engine=get(cfg, "rollout.engine"), quant=scheme, dtype=get(cfg, "rollout.dtype"),
                          device=get(cfg, "rollout.device"), max_batch=get(cfg, "rollout.max_batch"),
-                         max_seq_len=get(cfg, "rollout.max_seq_len"), **options)
+                         max_seq_len=get(cfg, "rollout.max_seq_len"), weight_bits=get(cfg, "quant.weight_bits"),
+                         **options)
     if hasattr(engine, "close"):
         cleanup.callback(engine.close)
     if get(cfg, "sync.transport") == "nccl":

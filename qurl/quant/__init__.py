@@ -8,6 +8,7 @@ import re
 import torch
 
 INT8_MAX = 127.0
+WEIGHT_BITS = (4, 5, 6, 7, 8)  # below 8: a mismatch study knob (codes still stored as int8), not a speed feature
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCHEMES = ("none", "int8", "fp8-channel", "fp8-block")
 FP8_GRANULARITIES = ("tensor", "channel", "block")
@@ -21,11 +22,20 @@ def _scale_from_amax(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def quantize_int8(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-slice symmetric int8 along `dim` (per output channel for a weight, per token for activations)."""
+def int_max(bits: int) -> float:
+    """Largest symmetric code of a `bits`-bit signed integer grid (127 for 8 bits, 7 for 4)."""
+    if bits not in WEIGHT_BITS:
+        raise ValueError(f"integer bits must be one of {WEIGHT_BITS}, got {bits!r}")
+    return float(2 ** (bits - 1) - 1)
+
+
+def quantize_int8(x: torch.Tensor, dim: int = -1, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slice symmetric int8 along `dim` (per output channel for a weight, per token for activations);
+    bits < 8 uses the same scheme on a coarser grid (codes within +-(2^(bits-1)-1)), stored as int8."""
+    qmax = int_max(bits)
     x = x.float()
-    scale = _scale_from_amax(x.abs().amax(dim=dim, keepdim=True), INT8_MAX)
-    codes = (x / scale).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    scale = _scale_from_amax(x.abs().amax(dim=dim, keepdim=True), qmax)
+    codes = (x / scale).round_().clamp_(-qmax, qmax).to(torch.int8)
     return codes, scale
 
 
@@ -120,9 +130,13 @@ def _quantizable(name: str, tensor: torch.Tensor) -> bool:
     return True
 
 
-def quantize_state_dict(state_dict: dict[str, torch.Tensor], scheme: str) -> dict[str, torch.Tensor]:
-    """The named tensors the rollout engine loads: codes + scales for projections, the rest as is."""
+def quantize_state_dict(state_dict: dict[str, torch.Tensor], scheme: str,
+                        weight_bits: int = 8) -> dict[str, torch.Tensor]:
+    """The named tensors the rollout engine loads: codes + scales for projections, the rest as is
+    (weight_bits < 8: int8 scheme only, the quant.weight_bits mismatch study knob)."""
     _check_scheme(scheme)
+    if weight_bits != 8 and scheme != "int8":
+        raise ValueError(f"weight_bits={weight_bits} needs scheme 'int8', got {scheme!r}")
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         if scheme == "none" or not _quantizable(name, tensor):
@@ -130,7 +144,7 @@ def quantize_state_dict(state_dict: dict[str, torch.Tensor], scheme: str) -> dic
             continue
         tensor = tensor.detach()
         if scheme == "int8":
-            out[name], out[name + "_scale"] = quantize_int8(tensor, dim=-1)
+            out[name], out[name + "_scale"] = quantize_int8(tensor, dim=-1, bits=weight_bits)
         elif scheme == "fp8-channel":
             out[name], out[name + "_scale"] = quantize_fp8(tensor, "channel")
         else:

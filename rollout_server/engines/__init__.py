@@ -78,10 +78,12 @@ def load_engine(
     gpus: list[int] | None = None,
     mem_fraction: float | None = None,
     seed: int = 0,
+    weight_bits: int = 8,
 ):
     """Build a rollout engine from a Hugging Face folder; the import stays lazy so this module is light.
 
-    tp_size, gpus (this replica's GPUs, see sglang_engine.placement), mem_fraction and seed apply to SGLang only.
+    tp_size, gpus (this replica's GPUs, see sglang_engine.placement), mem_fraction and seed apply to SGLang only;
+    weight_bits < 8 (torch engine, int8 only) is the quant.weight_bits mismatch study knob.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; allowed: {', '.join(ENGINES)}")
@@ -89,6 +91,8 @@ def load_engine(
         raise ValueError(f"unknown quant {quant!r}; allowed: {', '.join(QUANTS)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    if weight_bits != 8 and engine != "torch":
+        raise ValueError(f"weight_bits={weight_bits} needs engine 'torch', got {engine!r}")
     if engine == "sglang":  # GPU nodes; fails with one line (install the `sglang` extra) where sglang is absent
         from rollout_server.engines.sglang_engine import SGLangEngine
 
@@ -100,6 +104,5 @@ def load_engine(
         raise ValueError(f"rollout.tp_size={tp_size} needs rollout.engine=sglang; the torch engine runs on one device")
     from rollout_server.engines.torch_engine import TorchEngine
 
-    return TorchEngine.from_pretrained(
-        model_path, quant=quant, dtype=dtype, device=device, max_batch=max_batch, max_seq_len=max_seq_len
-    )
+    return TorchEngine.from_pretrained(model_path, quant=quant, dtype=dtype, device=device, max_batch=max_batch,
+                                       max_seq_len=max_seq_len, weight_bits=weight_bits)

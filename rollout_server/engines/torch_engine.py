@@ -82,6 +82,7 @@ class TorchEngine:
         device: str = "cpu",
         max_batch: int = 64,
         max_seq_len: int = 2048,
+        weight_bits: int = 8,
     ) -> "TorchEngine":
         """Load full-precision HF weights, quantize them with qurl.quant, and keep exactly those buffers."""
         if quant not in _SCHEMES:
@@ -90,7 +91,7 @@ class TorchEngine:
             raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(_DTYPES)}")
         cfg = ModelConfig.from_dir(path)
         scheme = _SCHEMES[quant]
-        tensors = quantize_state_dict(load_safetensors(path, cfg.tensor_shapes()), scheme)
+        tensors = quantize_state_dict(load_safetensors(path, cfg.tensor_shapes()), scheme, weight_bits)
         model = Transformer(cfg, tensors, scheme, _DTYPES[dtype], torch.device(device), max_seq_len)
         return cls(model, max_batch, max_seq_len)
 

@@ -1,0 +1,100 @@
+"""Throughput summary (issue 9): the JSON of the speed benchmarks, collected into one Markdown page.
+
+Reads RESULTS_DIR/NAME.json for each benchmark below (design.md §9 form) and writes one section per
+benchmark: the command that produced it, the machine it ran on, and its rows as a table (scalar fields
+only), plus top-level ratios where the benchmark reports them. A benchmark whose script is not in this
+checkout is skipped; one whose JSON is missing gets a "not run yet" line with its command. --run first runs
+every present script whose JSON is missing (add --quick for their small versions).
+
+    python benchmarks/summary.py [--results results] [--out benchmarks/RESULTS.md] [--run [--quick]]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCHMARKS = (
+    ("rollout_throughput", "decode tokens/s of the embedded engine per weight format, against transformers"),
+    ("wire", "trajectory messages/s and weight-push MB/s over ZeroMQ"),
+    ("learner_step", "learner step time, tokens/s, weight-push seconds and bytes per quantization"),
+    ("sync", "weight-push cost, full against delta pushes"),
+    ("pipeline", "end-to-end learner steps per hour, async against sync, int8 against none"),
+)
+
+
+def command(name: str, results: str, quick: bool = False) -> list[str]:
+    return [sys.executable, os.path.join(HERE, f"{name}.py"), *(["--quick"] if quick else []),
+            "--out", os.path.join(results, f"{name}.json")]
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """A Markdown table of the rows' scalar fields, columns in first-seen order."""
+    cols = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, (dict, list))))
+    if not cols:
+        return []
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+    return lines
+
+
+def section(name: str, what: str, results: str) -> list[str]:
+    """The Markdown of one benchmark: heading, command, machine, table (or why there is none)."""
+    shown = f"python benchmarks/{name}.py --out {os.path.join(results, name + '.json')}"
+    lines = [f"## {name}", "", what + ".", ""]
+    path = os.path.join(results, f"{name}.json")
+    if not os.path.exists(os.path.join(HERE, f"{name}.py")):
+        return lines + ["Not in this checkout (benchmarks/%s.py is missing)." % name, ""]
+    if not os.path.exists(path):
+        return lines + [f"Not run yet: `{shown}`", ""]
+    with open(path) as f:
+        data = json.load(f)
+    machine = data.get("machine", {})
+    lines += [f"Command: `{shown}`", "",
+              "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if v is not None), ""]
+    lines += table(data.get("rows", [])) + [""]
+    for key, value in data.items():
+        if key in ("ratios", "speedups") and isinstance(value, dict):
+            lines += [f"{key}: `{json.dumps(value)}`", ""]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="summary.py", description=__doc__.splitlines()[0])
+    p.add_argument("--results", default="results", help="folder holding NAME.json")
+    p.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    p.add_argument("--run", action="store_true", help="run each present benchmark whose JSON is missing")
+    p.add_argument("--quick", action="store_true", help="with --run: the benchmarks' --quick versions")
+    args = p.parse_args(argv)
+    os.makedirs(args.results, exist_ok=True)
+    failed = []
+    for name, _ in BENCHMARKS:
+        present = os.path.exists(os.path.join(HERE, f"{name}.py"))
+        if args.run and present and not os.path.exists(os.path.join(args.results, f"{name}.json")):
+            print(f"summary: running {name}.py", file=sys.stderr)
+            done = subprocess.run(command(name, args.results, args.quick), stdout=subprocess.DEVNULL)
+            if done.returncode != 0:
+                failed.append(name)
+    lines = ["# Benchmark results", "",
+             "Written by `python benchmarks/summary.py`; each section names the command that produced its numbers.",
+             "Timings on shared machines are noisy: compare ratios measured in the same run, not absolute values.",
+             ""]
+    for name, what in BENCHMARKS:
+        lines += section(name, what, args.results)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines).rstrip() + "\n")
+    print(f"summary: wrote {args.out}" + (f"; these failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
