@@ -336,7 +336,10 @@ class RolloutLoop:
             if msg is not None:
                 pushes.append(msg)
         self.counters["bad_messages"] = self._rejected()
+        before = self.engine.version
         self.weights.apply([m for m in pushes if isinstance(m, WeightPush)])
+        if self.engine.version != before:  # report the new version at once: the learner grants by it
+            self._last_heartbeat = 0.0
         refs = [m for m in pushes if isinstance(m, WeightRef)]
         newest = max(refs, key=lambda r: r.version, default=None)
         if newest is None:
@@ -371,9 +374,8 @@ class RolloutLoop:
             msg = self.control_rx.recv(timeout_ms=0)
             if msg is None:
                 continue
-            if msg.type == "reply":
-                c = msg.counters
-                self.admission.on_reply(msg.version, int(c.get("accepted_total", 0)), int(c.get("received", 0)))
+            if msg.type == "reply" and msg.budget is not None:
+                self.admission.on_reply(msg.budget)
             elif msg.type == "eval_request":
                 self.eval_wanted = max(msg.version, self.eval_wanted or 0)
             elif msg.type == "resend_status":
@@ -403,10 +405,10 @@ class RolloutLoop:
             self._status("heartbeat")
         if now - self._last_log >= self._log_interval:
             dt, c, old = now - self._last_log, self.counters, self._logged
-            log.info("groups/s %.2f tokens/s %.1f version %d running %d queued %d budget used %d/%d sent %d",
+            log.info("groups/s %.2f tokens/s %.1f version %d running %d queued %d admitted %d of %d granted sent %d",
                      (c["generated"] - old["generated"]) / dt, (c["tokens"] - old["tokens"]) / dt,
                      self.engine.version, len(self.running), self.scorer.pending + len(self.outbox.pending),
-                     self.admission.used, self.admission.limit, c["sent"])
+                     self.admission.admitted, self.admission.grant, c["sent"])
             self._last_log, self._logged = now, dict(c)
 
     def _wait_idle(self) -> None:

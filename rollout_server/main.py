@@ -27,7 +27,8 @@ from rollout_server.weight_refs import join_update_group
 PROG = "qurl-rollout-server"
 TRAJECTORY_MAX_BYTES = 64 << 20  # a group: prompt + n responses, far below this
 CONTROL_MAX_BYTES = 1 << 20
-WEIGHTS_MAX_BYTES = 1 << 40  # a full push of a large model; the HMAC and shape checks still apply
+WEIGHTS_MAX_BYTES = 1 << 40
+DATA_SEED_STRIDE = 1_000_003  # replica i shuffles prompts with seed run.seed + i * this: servers draw different prompts  # a full push of a large model; the HMAC and shape checks still apply
 
 log = logging.getLogger("rollout_server")
 
@@ -82,7 +83,7 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
                          f"before rollout.sampling.max_new_tokens={get(cfg, 'rollout.sampling.max_new_tokens')}")
     max_prompt_len = min(get(cfg, "data.max_prompt_len"), room)
     dataset = PromptDataset(list(get(cfg, "data.train_files")), tokenizer, max_prompt_len=max_prompt_len,
-                            instruction=get(cfg, "data.instruction"), seed=get(cfg, "run.seed"),
+                            instruction=get(cfg, "data.instruction"), seed=get(cfg, "run.seed") + DATA_SEED_STRIDE * replica,
                             shuffle=get(cfg, "data.shuffle"))
     scheme = scheme_for(get(cfg, "rollout.quant"), get(cfg, "quant.fp8_granularity"))
     options = {}
@@ -104,7 +105,7 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
     cleanup.callback(sockets.close)
     loop = RolloutLoop(cfg, server_id=server_id, engine=engine, scheme=scheme, tokenizer=tokenizer, dataset=dataset,
                        pool=pool, sockets=sockets, secret=get(cfg, "transport.secret").encode() or None,
-                       admission=Admission(get(cfg, "async.max_staleness"), get(cfg, "train.batch_prompts")),
+                       admission=Admission(),
                        stop_ids=stop_token_ids(tokenizer, path),
                        eval_set=load_eval_set(cfg, tokenizer, max_prompt_len), replica=replica)
     cleanup.callback(loop.close)
