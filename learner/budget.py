@@ -16,7 +16,9 @@ ceil((L - A) / live servers). A server whose weights lag more than max_staleness
 until it reports the current version (its work would be dropped as stale). A server that says bye keeps
 only the groups it sent that have not arrived; one silent for SERVER_GONE_S is presumed dead and its
 reservation is returned (if it was only paused and comes back, what it still holds counts again; groups a
-killed server had handed to the network before it died are not reserved once it is presumed dead).
+killed server had handed to the network before it died are not reserved once it is presumed dead). A server
+that outlives a learner life (the learner resumed) starts over at its own admitted count; what it sent and
+the resumed learner never received went to the dead life and is not reserved.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class Holder:
     bad: int  # groups its codec refused (they never arrive)
     seen: float
     sent_final: Optional[int] = None  # set by its bye: it sends no more than this
+    lost: int = 0  # sent to an earlier learner life and not received by this one: never arrives here
 
 
 class Budget:
@@ -49,6 +52,7 @@ class Budget:
         self.max_staleness, self.batch_prompts, self.snapshot = max_staleness, batch_prompts, snapshot
         self.holders: dict[str, Holder] = {}
         self.violations = 0  # reports of more groups admitted than granted
+        self.expired: set[str] = set()  # presumed dead in this learner life: if one comes back, its groups count again
         self._lock = threading.Lock()
         self._window: dict[str, float] = {}
 
@@ -62,8 +66,11 @@ class Budget:
         with self._lock:
             accepted, received = self.snapshot()
             h = self.holders.get(sid)
-            if h is None or h.sent_final is not None:  # new (or back after it was presumed dead): it holds what it admitted
-                h = self.holders[sid] = Holder(grant=admitted, admitted=admitted, bad=bad, seen=now)
+            if h is None or h.sent_final is not None:  # new, back after it was presumed dead, or it outlived a learner life
+                # a server that outlived the learner (its groups were received by an earlier life) sent the rest
+                # to that life: they are lost_at_learner_restart in the books, not in flight to this one
+                lost = 0 if sid in self.expired else max(0, int(counters.get("sent", 0)) - received.get(sid, 0))
+                h = self.holders[sid] = Holder(grant=admitted, admitted=admitted, bad=bad, seen=now, lost=lost)
             if admitted > h.grant:
                 self.violations += 1
             h.admitted, h.bad, h.seen = max(h.admitted, admitted), max(h.bad, bad), now
@@ -72,7 +79,7 @@ class Budget:
             if version - server_version <= self.max_staleness:
                 free = limit - accepted - self._reserved(received)
                 share = math.ceil(max(0, limit - accepted) / live)
-                h.grant += max(0, min(free, received.get(sid, 0) + h.bad + share - h.grant))
+                h.grant += max(0, min(free, received.get(sid, 0) + h.bad + h.lost + share - h.grant))
             self._observe(limit, accepted, received, live)
             return h.grant
 
@@ -93,6 +100,7 @@ class Budget:
             gone = [sid for sid, h in self.holders.items() if h.sent_final is None and now - h.seen >= SERVER_GONE_S]
             for sid in settled + gone:
                 del self.holders[sid]
+            self.expired.update(gone)
             return gone
 
     def take_window(self, version: int) -> dict[str, float]:
@@ -108,14 +116,14 @@ class Budget:
         return sum(1 for h in self.holders.values() if h.sent_final is None and now - h.seen < LIVE_S)
 
     def _reserved(self, received: dict[str, int]) -> int:
-        return sum(max(0, h.grant - received.get(sid, 0) - h.bad) for sid, h in self.holders.items())
+        return sum(max(0, h.grant - received.get(sid, 0) - h.bad - h.lost) for sid, h in self.holders.items())
 
     def _observe(self, limit: int, accepted: int, received: dict[str, int], live: int) -> None:
         """Peaks of the two sides: reserved (the grants' arithmetic) and held (the servers' own admitted counts)."""
         reserved = accepted + self._reserved(received)
         # a departed server's unsent groups are lost, not held: it holds at most what it sent
-        held = accepted + sum(max(0, (h.admitted if h.sent_final is None else h.grant) - received.get(sid, 0) - h.bad)
-                              for sid, h in self.holders.items())
+        held = accepted + sum(max(0, (h.admitted if h.sent_final is None else h.grant) - received.get(sid, 0) - h.bad
+                                  - h.lost) for sid, h in self.holders.items())
         w = self._window
         w["admission/limit"] = limit
         w["admission/max_reserved"] = max(w.get("admission/max_reserved", 0), reserved)

@@ -58,6 +58,15 @@ def test_a_silent_server_is_presumed_gone_and_its_reservation_returned():
     assert budget.grant("b", 0, 0, {"admitted": 0}, now=SERVER_GONE_S + 0.5) == 4
 
 
+def test_a_server_that_outlived_the_learner_is_not_charged_for_groups_sent_to_the_dead_learner():
+    books = Books()
+    books.accepted, books.received = 8, {"a": 8}  # the resumed learner's checkpointed counts (2 steps of 4 used)
+    budget = Budget(max_staleness=0, batch_prompts=4, snapshot=books.snapshot)  # version 2: L = 12
+    # a sent 11: 3 went to the learner life that died; 1 more is running; its grant starts at its 12 admitted
+    assert budget.grant("a", 2, 2, {"admitted": 12, "sent": 11}, now=0.0) == 15  # 8 + (15 - 8 - 3) = 12
+    assert budget.take_window(2)["admission/min_margin"] == 0
+
+
 def test_admitting_beyond_the_grant_is_counted():
     books = Books()
     budget = Budget(max_staleness=0, batch_prompts=2, snapshot=books.snapshot)
