@@ -14,7 +14,8 @@ between grants too; and the groups truly accepted or in flight are A + sum_i (ad
 at most the left side. New room is split evenly: a live server's reservation is raised to at most
 ceil((L - A) / live servers). A server whose weights lag more than max_staleness versions gets nothing new
 until it reports the current version (its work would be dropped as stale). A server that says bye keeps
-only the groups it sent that have not arrived; one silent for SERVER_GONE_S is presumed dead and its
+only the groups it sent that have not arrived; one that qurl-async restarted is released when its
+replacement says hello (which names its pid); one silent for SERVER_GONE_S is presumed dead and its
 reservation is returned (if it was only paused and comes back, what it still holds counts again; groups a
 killed server had handed to the network before it died are not reserved once it is presumed dead). A server
 that outlives a learner life (the learner resumed) starts over at its own admitted count; what it sent and
@@ -102,6 +103,12 @@ class Budget:
                 del self.holders[sid]
             self.expired.update(gone)
             return gone
+
+    def release(self, sid: str) -> bool:
+        """A server known dead (its replacement said so): return its reservation now; False if it held none."""
+        with self._lock:
+            self.expired.add(sid)
+            return self.holders.pop(sid, None) is not None
 
     def take_window(self, version: int) -> dict[str, float]:
         """admission/* metrics since the last call: the bound L, the peaks measured against it, the violations."""

@@ -205,6 +205,11 @@ class WeightSender:
             info = self.servers[msg.server_id] = ServerInfo(msg.version, msg.running, msg.queued, now)
             log.info("rollout server %s says %s (engine %s, quant %s, version %d)",
                      msg.server_id, msg.type, msg.engine, msg.quant, msg.version)
+        if msg.type == "hello" and msg.counters.get("replaces_pid"):  # a restart: the old process is gone
+            dead = f"{msg.server_id.rsplit('-', 1)[0]}-{int(msg.counters['replaces_pid'])}"
+            self.servers.pop(dead, None)
+            if self.budget.release(dead):
+                log.info("rollout server %s replaces %s: its budget share is returned", msg.server_id, dead)
         if msg.type != "resend_weights":
             info.version, info.running, info.queued, info.seen = msg.version, msg.running, msg.queued, now
             info.counters = dict(msg.counters)

@@ -167,9 +167,11 @@ class RolloutLoop:
 
     def __init__(self, cfg: Any, *, server_id: str, engine: Any, scheme: str, tokenizer: Any, dataset: PromptDataset,
                  pool: RewardPool, sockets: Sockets, secret: Optional[bytes], admission: Admission,
-                 stop_ids: list[int], eval_set: Optional[EvalSet] = None, replica: int = 0) -> None:
+                 stop_ids: list[int], eval_set: Optional[EvalSet] = None, replica: int = 0,
+                 replaces_pid: int = 0) -> None:
         self.server_id, self.engine, self.scheme = server_id, engine, scheme
         self.replica = replica  # which per-rank payloads of a cuda-ipc WeightRef are this server's
+        self.replaces_pid = replaces_pid  # the dead server of this replica that this one replaces (0: none)
         self.tokenizer, self.dataset, self.admission, self.stop_ids = tokenizer, dataset, admission, stop_ids
         self.sockets = sockets
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -390,9 +392,12 @@ class RolloutLoop:
         return dict(self.counters, unsent=self.scoring + len(self.outbox.pending))
 
     def _status(self, kind: str) -> None:
+        counters = self.book_counters()
+        if kind == "hello" and self.replaces_pid:
+            counters["replaces_pid"] = self.replaces_pid
         status = Status(type=kind, server_id=self.server_id, version=self.engine.version,
                         engine=self.engine_name, quant=self.scheme, running=len(self.running),
-                        queued=self.scorer.pending + len(self.outbox.pending), counters=self.book_counters())
+                        queued=self.scorer.pending + len(self.outbox.pending), counters=counters)
         try:
             self.control.send(status, flags=zmq.NOBLOCK)
         except zmq.Again:  # the learner is away and the queue is full; the next heartbeat says the same

@@ -17,6 +17,7 @@ from qurl.cli import parse
 from qurl.config import get
 from qurl.data import DatasetError, PromptDataset
 from qurl.evaluate import load_eval_set
+from qurl.layout import REPLACES_ENV
 from qurl.quant import scheme_for
 from qurl.rewards import RewardError, RewardPool
 from rollout_server.admission import Admission
@@ -27,8 +28,8 @@ from rollout_server.weight_refs import join_update_group
 PROG = "qurl-rollout-server"
 TRAJECTORY_MAX_BYTES = 64 << 20  # a group: prompt + n responses, far below this
 CONTROL_MAX_BYTES = 1 << 20
-WEIGHTS_MAX_BYTES = 1 << 40
-DATA_SEED_STRIDE = 1_000_003  # replica i shuffles prompts with seed run.seed + i * this: servers draw different prompts  # a full push of a large model; the HMAC and shape checks still apply
+WEIGHTS_MAX_BYTES = 1 << 40  # a full push of a large model; the HMAC and shape checks still apply
+DATA_SEED_STRIDE = 1_000_003  # replica i shuffles prompts with seed run.seed + i * this: servers draw different prompts
 
 log = logging.getLogger("rollout_server")
 
@@ -38,6 +39,14 @@ def replica_index() -> int:
     raw = os.environ.get("QURL_SERVER_INDEX", "0")
     if not raw.isdigit():
         raise ValueError(f"QURL_SERVER_INDEX={raw!r} must be this server's replica index: 0, 1, ...")
+    return int(raw)
+
+
+def predecessor_pid() -> int:
+    """The pid of the server this one replaces (qurl-async sets QURL_REPLACES_PID on a restart), else 0."""
+    raw = os.environ.get(REPLACES_ENV, "0")
+    if not raw.isdigit():
+        raise ValueError(f"{REPLACES_ENV}={raw!r} must be the pid of the server this one replaces")
     return int(raw)
 
 
@@ -107,7 +116,8 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
                        pool=pool, sockets=sockets, secret=get(cfg, "transport.secret").encode() or None,
                        admission=Admission(),
                        stop_ids=stop_token_ids(tokenizer, path),
-                       eval_set=load_eval_set(cfg, tokenizer, max_prompt_len), replica=replica)
+                       eval_set=load_eval_set(cfg, tokenizer, max_prompt_len), replica=replica,
+                       replaces_pid=predecessor_pid())
     cleanup.callback(loop.close)
     log.info("ready: engine %s quant %s, %d prompts, pushing to %s", get(cfg, "rollout.engine"), scheme,
              len(dataset), get(cfg, "transport.trajectories"))

@@ -58,6 +58,15 @@ def test_a_silent_server_is_presumed_gone_and_its_reservation_returned():
     assert budget.grant("b", 0, 0, {"admitted": 0}, now=SERVER_GONE_S + 0.5) == 4
 
 
+def test_a_restarted_servers_hello_returns_its_dead_predecessors_share_at_once():
+    books = Books()
+    budget = Budget(max_staleness=0, batch_prompts=4, snapshot=books.snapshot)
+    assert budget.grant("rollout-0-10", 0, 0, {"admitted": 0}, now=0.0) == 4
+    assert budget.grant("rollout-0-11", 0, 0, {"admitted": 0}, now=1.0) == 0  # the dead one still holds it all
+    assert budget.release("rollout-0-10") and not budget.release("rollout-0-10")
+    assert budget.grant("rollout-0-11", 0, 0, {"admitted": 0}, now=1.1) == 4
+
+
 def test_a_server_that_outlived_the_learner_is_not_charged_for_groups_sent_to_the_dead_learner():
     books = Books()
     books.accepted, books.received = 8, {"a": 8}  # the resumed learner's checkpointed counts (2 steps of 4 used)

@@ -5,6 +5,7 @@ on loopback against a 2-rank single-node learner.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,6 +75,9 @@ def test_two_servers_and_two_ranks_share_one_budget_and_outlive_a_killed_server(
         assert r["admission/max_held"] <= r["admission/max_reserved"] <= r["admission/limit"], r
     assert max(r["admission/servers"] for r in rows) == 2
     assert any(r["admission/max_reserved"] == r["admission/limit"] for r in rows)  # the budget did bind
+    # the dead server's share came back when its replacement said hello, not 30 s later
+    assert re.search(r"rollout-1-\d+ replaces rollout-1-\d+: its budget share is returned",
+                     (run_dir / "logs" / "learner.log").read_text())
     print(f"{steps} steps; groups used per server life {used}")
 
 
