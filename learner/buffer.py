@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ class TrajectoryBuffer:
         self.received = 0
         self.received_from: Counter[str] = Counter()
         self.used = 0
+        self.used_from: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()  # stale, filter (all rewards equal), invalid, restart
         self.response_tokens = 0  # every response token received, used or not
         self.last_arrival = time.monotonic()
@@ -84,15 +86,22 @@ class TrajectoryBuffer:
         # the books' wire evidence: server id -> {"sessions": {session: [accepted, highest seq]}, "life", "restart_gaps"}
         self.wire: dict[str, dict] = {}
         self._resumed_sessions: set[tuple[str, str]] = set()  # checkpointed sessions not heard from since the resume
+        self._lock = threading.Lock()  # the control thread reads (A, received per server) as one snapshot
 
     @property
     def accepted_total(self) -> int:
         """A of the control replies: groups used or waiting in the buffer, over the whole run."""
         return self.used + len(self.groups)
 
+    def snapshot(self) -> tuple[int, dict[str, int]]:
+        """(accepted_total, groups received per server id), consistent with each other (learner/budget.py)."""
+        with self._lock:
+            return self.accepted_total, dict(self.received_from)
+
     def counters(self) -> dict:
         """The buffer's cursor: what a resumed learner continues counting from."""
         return {"received": self.received, "received_from": dict(self.received_from), "used": self.used,
+                "used_from": dict(self.used_from),
                 "dropped": dict(self.dropped), "response_tokens": self.response_tokens, "buffered": len(self.groups),
                 "life": self.life, "wire": json_copy(self.wire)}
 
@@ -102,6 +111,7 @@ class TrajectoryBuffer:
         self.received = int(counters["received"])
         self.received_from = Counter({k: int(v) for k, v in counters["received_from"].items()})
         self.used = int(counters["used"])
+        self.used_from = Counter({k: int(v) for k, v in counters.get("used_from", {}).items()})
         self.dropped = Counter({k: int(v) for k, v in counters["dropped"].items()})
         self.dropped["restart"] += int(counters.get("buffered", 0))
         self.response_tokens = int(counters["response_tokens"])
@@ -116,8 +126,9 @@ class TrajectoryBuffer:
         while ready:
             msg = self.receiver.recv(timeout_ms=0)  # None when the message was bad (logged and counted there)
             if isinstance(msg, TrajectoryGroup):
-                self._tally(*self.receiver.guard.last_stamp)
-                self._add(msg, version)
+                with self._lock:
+                    self._tally(*self.receiver.guard.last_stamp)
+                    self._add(msg, version)
                 n += 1
             ready = self.receiver.sock.poll(0)
         return n
@@ -165,12 +176,14 @@ class TrajectoryBuffer:
 
     def take(self, version: int) -> Optional[list[TrajectoryGroup]]:
         """The oldest batch_prompts groups once enough fresh ones wait; groups now too stale are dropped first."""
-        fresh = deque(g for g in self.groups if version - min_version(g) <= self.max_staleness)
-        if len(fresh) < len(self.groups):
-            self.dropped["stale"] += len(self.groups) - len(fresh)
-            self.groups = fresh
-        if len(self.groups) < self.batch_prompts:
-            return None
-        batch = [self.groups.popleft() for _ in range(self.batch_prompts)]
-        self.used += len(batch)
-        return batch
+        with self._lock:
+            fresh = deque(g for g in self.groups if version - min_version(g) <= self.max_staleness)
+            if len(fresh) < len(self.groups):
+                self.dropped["stale"] += len(self.groups) - len(fresh)
+                self.groups = fresh
+            if len(self.groups) < self.batch_prompts:
+                return None
+            batch = [self.groups.popleft() for _ in range(self.batch_prompts)]
+            self.used += len(batch)
+            self.used_from.update(g.server_id for g in batch)
+            return batch

@@ -6,7 +6,7 @@ Layout of `checkpoints/step_N/` (written into `.tmp-step_N/`, renamed when compl
                        still applied (exactly what the learner trains); a tied lm_head.weight is stored
                        once, under model.embed_tokens.weight (metadata "aliases")
     optim.safetensors  the full AdamW state, one tensor per "<param name>::<exp_avg|exp_avg_sq|step>"
-    rng_rank{R}.pt     that rank's torch RNG states (torch.save of tensors only)
+    rng_rank{R}.pt     rank R's torch RNG states (torch.save of tensors only; rank 0 gathers and writes them all)
     state.json         step, version, the learner's counters (its data cursor), the lr schedule position
     manifest.json      written last: format tag, model fingerprint, every file with its size
 
@@ -95,6 +95,33 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+def _gather_rng() -> list[dict[str, torch.Tensor]]:
+    """Collective: every rank's RNG states, on rank 0 (empty elsewhere): no other rank needs run.dir (other nodes)."""
+    local = _rng_state()
+    world = dist.get_world_size()
+    gathered = {k: [torch.empty_like(v) for _ in range(world)] for k, v in local.items()}
+    for key in sorted(local):
+        dist.all_gather(gathered[key], local[key])
+    return [{k: g[r] for k, g in gathered.items()} for r in range(world)] if dist.get_rank() == 0 else []
+
+
+def _scatter_rng(path: str) -> None:
+    """Collective: rank 0 reads rng_rank{R}.pt for every rank and hands each its own (absent: more ranks than wrote it)."""
+    local = _rng_state()
+    for r in range(dist.get_world_size()):
+        file = os.path.join(path, f"rng_rank{r}.pt")
+        states = torch.load(file, weights_only=True) if dist.get_rank() == 0 and os.path.isfile(file) else {}
+        found = torch.tensor([int(k in states) for k in sorted(local)])
+        dist.broadcast(found, src=0)
+        for key, present in zip(sorted(local), found.tolist()):
+            if not present:
+                continue
+            tensor = states[key] if dist.get_rank() == 0 else torch.empty_like(local[key])
+            dist.broadcast(tensor, src=0)
+            if dist.get_rank() == r:
+                (torch.set_rng_state if key == "cpu" else torch.cuda.set_rng_state)(tensor)
+
+
 def _fsync_write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -109,13 +136,12 @@ def save(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimize
     tmp = os.path.join(root, f".tmp-step_{step}")
     weights = full_state_dict(model)
     optim = get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    rng = _gather_rng()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    dist.barrier()
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
+        for r, states in enumerate(rng):
+            torch.save(states, os.path.join(tmp, f"rng_rank{r}.pt"))
         aliases = _aliases(model)
         save_file({k: v.contiguous() for k, v in weights.items() if k not in aliases},
                   os.path.join(tmp, "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
@@ -184,7 +210,7 @@ def find_latest(root: str, model_fingerprint: str, warn: Optional[Callable[[str]
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Collective: rank 0 reads `path` and broadcasts model and optimizer; each rank restores its RNG; returns state.json."""
+    """Collective: rank 0 reads `path` and broadcasts model, optimizer and each rank's RNG; returns state.json."""
     weights: dict[str, torch.Tensor] = {}
     flat: dict[str, torch.Tensor] = {}
     error = ""
@@ -206,12 +232,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         groups = get_optimizer_state_dict(model, optimizer, options=_GATHER).get("param_groups")
         optim = {"state": _nested_optim(flat), "param_groups": groups} if dist.get_rank() == 0 else {}
         set_optimizer_state_dict(model, optimizer, optim, options=_SCATTER)
-    rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
-    if os.path.isfile(rng_file):  # absent when resuming with more ranks than wrote it
-        rng = torch.load(rng_file, weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+    _scatter_rng(path)
     with open(os.path.join(path, "state.json")) as f:
         return json.load(f)
 

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
 from learner import checkpoint, push_transport
+from learner.budget import Budget
 from learner.buffer import Batch, TrajectoryBuffer, collate, min_version
 from learner.evaluation import FpEvaluator
 from learner.model import build_policy, invariant_scaling, token_logprobs
@@ -246,7 +247,7 @@ class Learner:
             transport.Receiver(socks["control"], secret=secret, max_bytes=CONTROL_MAX_BYTES, kinds=("status",)),
             transport.Sender(socks["control"], sender_id, secret=secret),
             self.scheme,
-            counts=lambda sid: (self.buffer.accepted_total, self.buffer.received_from.get(sid, 0)),
+            Budget(get(cfg, "async.max_staleness"), cfg.train.batch_prompts, self.buffer.snapshot),
             full_every=cfg.sync.full_every)
         try:  # nccl: blocks until every rollout replica has joined the weight-update group
             self.pusher = push_transport.build(cfg, self.sender, self.scheme, self.env.device)
@@ -339,7 +340,7 @@ class Learner:
                 "buffer/dropped_filter": self.buffer.dropped["filter"],
                 "buffer/dropped_invalid": self.buffer.dropped["invalid"],
                 "buffer/bad_messages": sum(self.buffer.receiver.rejected.values()),
-                "sync/repushes": self.sender.repushes}
+                "sync/repushes": self.sender.repushes, **self.sender.budget.take_window(self.progress.version)}
         info.update({f"reward/status_{k}": v for k, v in statuses.items()})
         server_totals: Counter = Counter()
         for server in list(self.sender.servers.values()):

@@ -13,11 +13,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import zmq
 
+from learner.budget import SERVER_GONE_S, Budget
 from qurl import books, delta
 from qurl.protocol import Status, WeightPush, WeightRef, from_torch
 from qurl.quant import changed_fraction
@@ -28,7 +29,6 @@ log = logging.getLogger("learner")
 REPUSH_INTERVAL_S = 2.0  # a lagging server gets the current weights again at most this often
 LAG_GRACE_S = 5.0  # a heartbeat may lag this long after a push (in flight, being applied) before a full repush
 POLL_MS = 100
-SERVER_GONE_S = 30.0  # a server silent this long leaves the status line
 
 
 @dataclass
@@ -53,15 +53,15 @@ class PushStats:
 
 
 class WeightSender:
-    """Publishes WeightPush messages and answers hello / heartbeat with (version, accepted_total, received)."""
+    """Publishes WeightPush messages and answers hello / heartbeat with (version, the server's grant)."""
 
-    def __init__(self, pub: Sender, control: Receiver, control_tx: Sender, scheme: str,
-                 counts: Callable[[str], tuple[int, int]], version: int = 0, full_every: int = 1) -> None:
+    def __init__(self, pub: Sender, control: Receiver, control_tx: Sender, scheme: str, budget: Budget,
+                 version: int = 0, full_every: int = 1) -> None:
         self.pub = pub
         self.control = control
         self.control_tx = control_tx
         self.scheme = scheme
-        self.counts = counts  # server id -> (accepted_total, received from it)
+        self.budget = budget  # the global staleness budget, granted per server
         self.version = version
         self.full_every = full_every
         self.servers: dict[str, ServerInfo] = {}
@@ -177,6 +177,8 @@ class WeightSender:
                 got = self.control.recv_routed(timeout_ms=POLL_MS)
             except zmq.ZMQError:  # the context was closed under us at shutdown
                 return
+            for sid in self.budget.expire(time.monotonic()):
+                log.warning("rollout server %s silent for %.0f s: presumed gone, its budget returned", sid, SERVER_GONE_S)
             if got is None:
                 continue
             ident, msg = got
@@ -189,6 +191,8 @@ class WeightSender:
             self.reports[msg.server_id] = books.report(msg.counters, final=msg.type == "bye", life=self.life)
         if msg.type == "bye":
             self.servers.pop(msg.server_id, None)
+            self.budget.bye(msg.server_id, msg.counters)
+            log.info("rollout server %s says bye", msg.server_id)
             return
         if msg.type == "eval_result":
             with self._lock:
@@ -201,14 +205,19 @@ class WeightSender:
             info = self.servers[msg.server_id] = ServerInfo(msg.version, msg.running, msg.queued, now)
             log.info("rollout server %s says %s (engine %s, quant %s, version %d)",
                      msg.server_id, msg.type, msg.engine, msg.quant, msg.version)
+        if msg.type == "hello" and msg.counters.get("replaces_pid"):  # a restart: the old process is gone
+            dead = f"{msg.server_id.rsplit('-', 1)[0]}-{int(msg.counters['replaces_pid'])}"
+            self.servers.pop(dead, None)
+            if self.budget.release(dead):
+                log.info("rollout server %s replaces %s: its budget share is returned", msg.server_id, dead)
         if msg.type != "resend_weights":
             info.version, info.running, info.queued, info.seen = msg.version, msg.running, msg.queued, now
             info.counters = dict(msg.counters)
-        accepted, received = self.counts(msg.server_id)
         with self._lock:
             version, push = self.version, self._full
-            reply = Status(type="reply", server_id=msg.server_id, version=version,
-                           counters={"accepted_total": accepted, "received": received})
+        grant = self.budget.grant(msg.server_id, version, info.version, info.counters, now)
+        with self._lock:
+            reply = Status(type="reply", server_id=msg.server_id, version=version, budget=grant)
             try:
                 self.control_tx.send(reply, to=ident, flags=zmq.NOBLOCK)
             except zmq.Again:  # the server is gone or not reading; its next heartbeat gets an answer

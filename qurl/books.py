@@ -86,6 +86,8 @@ def close(ledger: dict, exits: dict[str, dict], learner_ended_cleanly: bool) -> 
     problems: list[str] = []
     generated = sent = wire_received = 0
     wires, reports = buf.get("wire", {}), ledger.get("reports", {})
+    used_from = buf.get("used_from", {})
+    per_server: dict[str, dict[str, int]] = {}
     for sid in sorted(set(wires) | set(reports) | set(exits)):
         rep = exits.get(sid) or reports.get(sid) or report({}, final=False)
         tallies = wires.get(sid, {}).get("sessions", {}).values()
@@ -112,6 +114,8 @@ def close(ledger: dict, exits: dict[str, dict], learner_ended_cleanly: bool) -> 
         generated += g + max(0, late - q)
         sent += s + late
         wire_received += n
+        per_server[sid] = {"generated": g + max(0, late - q), "sent": s + late, "received": n,
+                           "used": used_from.get(sid, 0)}
     received = buf.get("received", 0)
     if received != wire_received:
         problems.append(f"learner counted {received} groups received, its wire tally {wire_received}")
@@ -123,4 +127,4 @@ def close(ledger: dict, exits: dict[str, dict], learner_ended_cleanly: bool) -> 
         problems.append(f"generated {generated} != the sum of the categories {sum(cats.values())}")
     problems += [f"{k} is negative ({v})" for k, v in cats.items() if v < 0]
     return {"generated": generated, "sent": sent, "received": received, **cats, "balanced": not problems,
-            "problems": problems}
+            "problems": problems, "servers": per_server}

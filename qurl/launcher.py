@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from qurl import books
 from qurl.cli import parse
 from qurl.config import ConfigError, get, run_dir, to_yaml
-from qurl.layout import plan
+from qurl.layout import REPLACES_ENV, plan
 from qurl.report import plot_curves, read_metrics, write_summary
 
 PROG = "qurl-async"
@@ -230,6 +230,7 @@ def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: 
             s.restarts += 1
             print(f"\n{PROG}: {s.name} exited with code {code}; restarting it ({s.restarts}/{max_restarts})",
                   file=sys.stderr)
+            s.env[REPLACES_ENV] = str(s.proc.pid)  # the new server's hello returns the dead one's budget share
             s.start()
             _write_pids(cfg.run.dir, [learner, *servers])
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from qurl.config import ConfigError, get
 
 SERVER_INDEX_ENV = "QURL_SERVER_INDEX"
+REPLACES_ENV = "QURL_REPLACES_PID"  # set on a restarted server: its dead predecessor's pid (its budget returns at once)
 
 
 @dataclass

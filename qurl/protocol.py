@@ -344,7 +344,7 @@ class Status:
     running: int = 0
     queued: int = 0
     counters: Mapping[str, float] = field(default_factory=dict)
-    budget: int | None = None  # groups this server may hold in flight (learner's reply)
+    budget: int | None = None  # reply: the grant, groups this server may have admitted in its life (learner/budget.py)
 
     def __post_init__(self) -> None:
         if self.type not in STATUS_TYPES:

@@ -167,9 +167,11 @@ class RolloutLoop:
 
     def __init__(self, cfg: Any, *, server_id: str, engine: Any, scheme: str, tokenizer: Any, dataset: PromptDataset,
                  pool: RewardPool, sockets: Sockets, secret: Optional[bytes], admission: Admission,
-                 stop_ids: list[int], eval_set: Optional[EvalSet] = None, replica: int = 0) -> None:
+                 stop_ids: list[int], eval_set: Optional[EvalSet] = None, replica: int = 0,
+                 replaces_pid: int = 0) -> None:
         self.server_id, self.engine, self.scheme = server_id, engine, scheme
         self.replica = replica  # which per-rank payloads of a cuda-ipc WeightRef are this server's
+        self.replaces_pid = replaces_pid  # the dead server of this replica that this one replaces (0: none)
         self.tokenizer, self.dataset, self.admission, self.stop_ids = tokenizer, dataset, admission, stop_ids
         self.sockets = sockets
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -336,7 +338,10 @@ class RolloutLoop:
             if msg is not None:
                 pushes.append(msg)
         self.counters["bad_messages"] = self._rejected()
+        before = self.engine.version
         self.weights.apply([m for m in pushes if isinstance(m, WeightPush)])
+        if self.engine.version != before:  # report the new version at once: the learner grants by it
+            self._last_heartbeat = 0.0
         refs = [m for m in pushes if isinstance(m, WeightRef)]
         newest = max(refs, key=lambda r: r.version, default=None)
         if newest is None:
@@ -371,9 +376,8 @@ class RolloutLoop:
             msg = self.control_rx.recv(timeout_ms=0)
             if msg is None:
                 continue
-            if msg.type == "reply":
-                c = msg.counters
-                self.admission.on_reply(msg.version, int(c.get("accepted_total", 0)), int(c.get("received", 0)))
+            if msg.type == "reply" and msg.budget is not None:
+                self.admission.on_reply(msg.budget)
             elif msg.type == "eval_request":
                 self.eval_wanted = max(msg.version, self.eval_wanted or 0)
             elif msg.type == "resend_status":
@@ -388,9 +392,12 @@ class RolloutLoop:
         return dict(self.counters, unsent=self.scoring + len(self.outbox.pending))
 
     def _status(self, kind: str) -> None:
+        counters = self.book_counters()
+        if kind == "hello" and self.replaces_pid:
+            counters["replaces_pid"] = self.replaces_pid
         status = Status(type=kind, server_id=self.server_id, version=self.engine.version,
                         engine=self.engine_name, quant=self.scheme, running=len(self.running),
-                        queued=self.scorer.pending + len(self.outbox.pending), counters=self.book_counters())
+                        queued=self.scorer.pending + len(self.outbox.pending), counters=counters)
         try:
             self.control.send(status, flags=zmq.NOBLOCK)
         except zmq.Again:  # the learner is away and the queue is full; the next heartbeat says the same
@@ -403,10 +410,10 @@ class RolloutLoop:
             self._status("heartbeat")
         if now - self._last_log >= self._log_interval:
             dt, c, old = now - self._last_log, self.counters, self._logged
-            log.info("groups/s %.2f tokens/s %.1f version %d running %d queued %d budget used %d/%d sent %d",
+            log.info("groups/s %.2f tokens/s %.1f version %d running %d queued %d admitted %d of %d granted sent %d",
                      (c["generated"] - old["generated"]) / dt, (c["tokens"] - old["tokens"]) / dt,
                      self.engine.version, len(self.running), self.scorer.pending + len(self.outbox.pending),
-                     self.admission.used, self.admission.limit, c["sent"])
+                     self.admission.admitted, self.admission.grant, c["sent"])
             self._last_log, self._logged = now, dict(c)
 
     def _wait_idle(self) -> None:

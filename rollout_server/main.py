@@ -17,6 +17,7 @@ from qurl.cli import parse
 from qurl.config import get
 from qurl.data import DatasetError, PromptDataset
 from qurl.evaluate import load_eval_set
+from qurl.layout import REPLACES_ENV
 from qurl.quant import scheme_for
 from qurl.rewards import RewardError, RewardPool
 from rollout_server.admission import Admission
@@ -28,6 +29,7 @@ PROG = "qurl-rollout-server"
 TRAJECTORY_MAX_BYTES = 64 << 20  # a group: prompt + n responses, far below this
 CONTROL_MAX_BYTES = 1 << 20
 WEIGHTS_MAX_BYTES = 1 << 40  # a full push of a large model; the HMAC and shape checks still apply
+DATA_SEED_STRIDE = 1_000_003  # replica i shuffles prompts with seed run.seed + i * this: servers draw different prompts
 
 log = logging.getLogger("rollout_server")
 
@@ -37,6 +39,14 @@ def replica_index() -> int:
     raw = os.environ.get("QURL_SERVER_INDEX", "0")
     if not raw.isdigit():
         raise ValueError(f"QURL_SERVER_INDEX={raw!r} must be this server's replica index: 0, 1, ...")
+    return int(raw)
+
+
+def predecessor_pid() -> int:
+    """The pid of the server this one replaces (qurl-async sets QURL_REPLACES_PID on a restart), else 0."""
+    raw = os.environ.get(REPLACES_ENV, "0")
+    if not raw.isdigit():
+        raise ValueError(f"{REPLACES_ENV}={raw!r} must be the pid of the server this one replaces")
     return int(raw)
 
 
@@ -82,7 +92,7 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
                          f"before rollout.sampling.max_new_tokens={get(cfg, 'rollout.sampling.max_new_tokens')}")
     max_prompt_len = min(get(cfg, "data.max_prompt_len"), room)
     dataset = PromptDataset(list(get(cfg, "data.train_files")), tokenizer, max_prompt_len=max_prompt_len,
-                            instruction=get(cfg, "data.instruction"), seed=get(cfg, "run.seed"),
+                            instruction=get(cfg, "data.instruction"), seed=get(cfg, "run.seed") + DATA_SEED_STRIDE * replica,
                             shuffle=get(cfg, "data.shuffle"))
     scheme = scheme_for(get(cfg, "rollout.quant"), get(cfg, "quant.fp8_granularity"))
     options = {}
@@ -105,9 +115,10 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
     cleanup.callback(sockets.close)
     loop = RolloutLoop(cfg, server_id=server_id, engine=engine, scheme=scheme, tokenizer=tokenizer, dataset=dataset,
                        pool=pool, sockets=sockets, secret=get(cfg, "transport.secret").encode() or None,
-                       admission=Admission(get(cfg, "async.max_staleness"), get(cfg, "train.batch_prompts")),
+                       admission=Admission(),
                        stop_ids=stop_token_ids(tokenizer, path),
-                       eval_set=load_eval_set(cfg, tokenizer, max_prompt_len), replica=replica)
+                       eval_set=load_eval_set(cfg, tokenizer, max_prompt_len), replica=replica,
+                       replaces_pid=predecessor_pid())
     cleanup.callback(loop.close)
     log.info("ready: engine %s quant %s, %d prompts, pushing to %s", get(cfg, "rollout.engine"), scheme,
              len(dataset), get(cfg, "transport.trajectories"))

@@ -36,6 +36,7 @@ def weight_hub():
     """The learner's real WeightSender (PUB + ROUTER on loopback, HMAC key b"k"), its PUB endpoint and zmq context."""
     import zmq
 
+    from learner.budget import Budget
     from learner.weight_sender import WeightSender
     from qurl import transport
 
@@ -44,6 +45,6 @@ def weight_hub():
     router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=b"k", max_bytes=1 << 20)
     sender = WeightSender(transport.Sender(pub, "learner", secret=b"k"),
                           transport.Receiver(router, secret=b"k", max_bytes=1 << 20, kinds=("status",)),
-                          transport.Sender(router, "learner", secret=b"k"), "fp8-block", counts=lambda sid: (0, 0))
+                          transport.Sender(router, "learner", secret=b"k"), "fp8-block", budget=Budget(0, 1, lambda: (0, {})))
     yield sender, pub.getsockopt(zmq.LAST_ENDPOINT).decode(), ctx
     ctx.destroy(linger=0)

@@ -1,68 +1,146 @@
-"""Admission control: the rule of PROCESSES.md, checked as arithmetic and as a simulated run."""
+"""Admission control: a server's grant rule, and the learner's global budget (learner/budget.py) against many servers."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from learner.budget import LIVE_S, SERVER_GONE_S, Budget
 from rollout_server.admission import Admission
 
 
-def test_without_replies_the_budget_is_staleness_plus_one_batches():
-    adm = Admission(max_staleness=2, batch_prompts=4)
-    started = 0
-    while adm.room():
-        adm.admit()
-        started += 1
-    assert started == 12
+def test_nothing_starts_before_a_grant_and_grants_never_shrink():
+    adm = Admission()
+    assert adm.room() == 0
     with pytest.raises(RuntimeError, match="room for 0"):
         adm.admit()
-
-
-def test_reply_with_progress_reopens_admission():
-    adm = Admission(max_staleness=0, batch_prompts=2)
-    adm.admit(2)
+    adm.on_reply(5)
+    adm.admit(5)
     assert adm.room() == 0
-    adm.on_reply(version=0, accepted=2, received=2)  # received and buffered, not yet used
-    assert adm.in_flight == 0 and adm.room() == 0
-    adm.on_reply(version=1, accepted=2, received=2)  # one step done: one more batch is useful
+    adm.on_reply(3)  # a late reply with an older grant takes nothing back and gives nothing
+    assert adm.grant == 5 and adm.room() == 0
+    adm.on_reply(7)
     assert adm.room() == 2
 
 
-def test_accepted_counts_other_servers_groups():
-    adm = Admission(max_staleness=1, batch_prompts=3)
-    adm.on_reply(version=0, accepted=5, received=0)  # five groups came from elsewhere
-    assert adm.used == 5 and adm.room() == 1
+class Books:
+    """The learner's buffer as the budget sees it: accepted (used + buffered) and received per server."""
+
+    def __init__(self):
+        self.accepted, self.received = 0, {}
+
+    def snapshot(self):
+        return self.accepted, dict(self.received)
 
 
-def test_learner_reporting_more_than_sent_never_widens_the_budget():
-    adm = Admission(max_staleness=1, batch_prompts=2)
-    adm.admit(1)
-    adm.on_reply(version=0, accepted=0, received=9)
-    assert adm.in_flight == 0 and adm.room() == 4
+def test_two_servers_split_the_room_and_a_departed_one_returns_its_share():
+    books = Books()
+    budget = Budget(max_staleness=1, batch_prompts=4, snapshot=books.snapshot)  # L = 8 at version 0
+    assert budget.grant("a", 0, 0, {"admitted": 0}, now=0.0) == 8  # alone: the whole room
+    assert budget.grant("b", 0, 0, {"admitted": 0}, now=0.1) == 0  # nothing is free
+    budget.bye("a", {"sent": 2, "admitted": 8})  # a leaves after sending 2 groups, both still on the wire
+    assert budget.grant("b", 0, 0, {"admitted": 0}, now=0.2) == 6  # a's 6 unsent groups are returned
+    books.accepted, books.received = 2, {"a": 2}  # a's groups arrive
+    assert budget.grant("b", 0, 0, {"admitted": 0}, now=0.3) == 6  # 2 accepted + 6 reserved = L
+    books.accepted, books.received["b"] = 6, 4  # 4 of b's groups arrive; two learner steps: version 2, L = 16
+    assert budget.grant("b", 2, 0, {"admitted": 6}, now=0.4) == 6  # b's weights lag past max_staleness: no more
+    assert budget.grant("b", 2, 2, {"admitted": 6}, now=0.5) == 14  # 6 accepted + (14 - 4) reserved = L
+    window = budget.take_window(2)
+    assert window["admission/min_margin"] == 0 and window["admission/limit"] == 16
+    assert window["admission/violations"] == 0
 
 
-def test_bad_parameters_are_one_clear_error():
-    with pytest.raises(ValueError, match="batch_prompts >= 1"):
-        Admission(max_staleness=0, batch_prompts=0)
+def test_a_silent_server_is_presumed_gone_and_its_reservation_returned():
+    books = Books()
+    budget = Budget(max_staleness=0, batch_prompts=4, snapshot=books.snapshot)
+    assert budget.grant("a", 0, 0, {"admitted": 0}, now=0.0) == 4
+    assert budget.grant("b", 0, 0, {"admitted": 0}, now=1.0) == 0
+    assert budget.expire(now=SERVER_GONE_S - 1) == []
+    assert budget.expire(now=SERVER_GONE_S + 0.5) == ["a"]
+    assert budget.grant("b", 0, 0, {"admitted": 0}, now=SERVER_GONE_S + 0.5) == 4
 
 
-@settings(max_examples=200, deadline=None)
-@given(staleness=st.integers(0, 3), batch=st.integers(1, 5),
-       script=st.lists(st.sampled_from(["gen", "recv", "step"]), max_size=80))
-def test_simulated_learner_never_sees_more_than_the_budget(staleness, batch, script):
-    """A greedy server against a learner that receives, accepts and steps in any order."""
-    adm = Admission(staleness, batch)
-    sent = received = accepted = used = version = 0
-    for action in script:
-        if action == "gen":
-            n = adm.room()
-            adm.admit(n)
-            sent += n
-        elif action == "recv" and received < sent:
-            received += 1
-            accepted += 1
-        elif action == "step" and accepted - used >= batch:
+def test_a_restarted_servers_hello_returns_its_dead_predecessors_share_at_once():
+    books = Books()
+    budget = Budget(max_staleness=0, batch_prompts=4, snapshot=books.snapshot)
+    assert budget.grant("rollout-0-10", 0, 0, {"admitted": 0}, now=0.0) == 4
+    assert budget.grant("rollout-0-11", 0, 0, {"admitted": 0}, now=1.0) == 0  # the dead one still holds it all
+    assert budget.release("rollout-0-10") and not budget.release("rollout-0-10")
+    assert budget.grant("rollout-0-11", 0, 0, {"admitted": 0}, now=1.1) == 4
+
+
+def test_a_server_that_outlived_the_learner_is_not_charged_for_groups_sent_to_the_dead_learner():
+    books = Books()
+    books.accepted, books.received = 8, {"a": 8}  # the resumed learner's checkpointed counts (2 steps of 4 used)
+    budget = Budget(max_staleness=0, batch_prompts=4, snapshot=books.snapshot)  # version 2: L = 12
+    # a sent 11: 3 went to the learner life that died; 1 more is running; its grant starts at its 12 admitted
+    assert budget.grant("a", 2, 2, {"admitted": 12, "sent": 11}, now=0.0) == 15  # 8 + (15 - 8 - 3) = 12
+    assert budget.take_window(2)["admission/min_margin"] == 0
+
+
+def test_admitting_beyond_the_grant_is_counted():
+    books = Books()
+    budget = Budget(max_staleness=0, batch_prompts=2, snapshot=books.snapshot)
+    budget.grant("a", 0, 0, {"admitted": 0}, now=0.0)
+    budget.grant("a", 0, 0, {"admitted": 3}, now=0.5)
+    assert budget.take_window(0)["admission/violations"] == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(staleness=st.integers(0, 3), batch=st.integers(1, 5), n_servers=st.integers(1, 4),
+       script=st.lists(st.tuples(st.sampled_from(["beat", "gen", "recv", "drop", "step", "bye", "wait", "kill"]),
+                                 st.integers(0, 3)), max_size=120))
+def test_simulated_servers_never_exceed_the_global_bound(staleness, batch, n_servers, script):
+    """Greedy servers against a learner that grants, receives, drops, steps, loses and regains servers."""
+    books = Books()
+    budget = Budget(staleness, batch, books.snapshot)
+    servers = {}  # id -> [Admission, sent, on the wire (ids list length), weights version, alive]
+    wire = []  # (server id) of groups sent and not yet received, in order
+    version, used, now, made = 0, 0, 0.0, 0
+
+    def add_server():
+        nonlocal made
+        sid = f"s{made}"
+        made += 1
+        servers[sid] = {"adm": Admission(), "sent": 0, "weights": version, "alive": True}
+
+    for _ in range(n_servers):
+        add_server()
+    for action, k in script:
+        live = [sid for sid, s in servers.items() if s["alive"]]
+        sid = live[k % len(live)] if live else None
+        if action == "beat" and sid:
+            s = servers[sid]
+            s["weights"] = version if k else s["weights"]  # k = 0: it missed the latest push
+            s["adm"].on_reply(budget.grant(sid, version, s["weights"],
+                                           {"admitted": s["adm"].admitted, "sent": s["sent"]}, now))
+        elif action == "gen" and sid:
+            s = servers[sid]
+            n = s["adm"].room()
+            s["adm"].admit(n)
+            s["sent"] += n
+            wire.extend([sid] * n)
+        elif action in ("recv", "drop") and wire:
+            src = wire.pop(0)
+            books.received[src] = books.received.get(src, 0) + 1
+            books.accepted += action == "recv"
+        elif action == "step" and books.accepted - used >= batch:
             used += batch
             version += 1
-        adm.on_reply(version, accepted, received)
-        # every group ever started fits the staleness window of the current version
-        assert adm.admitted <= (staleness + version + 1) * batch
+        elif action == "bye" and sid:
+            s = servers[sid]
+            s["alive"] = False
+            budget.bye(sid, {"sent": s["sent"]})
+            add_server()
+        elif action == "kill" and sid:  # dies with its groups: what it sent is lost on the wire
+            servers[sid]["alive"] = False
+            wire = [w for w in wire if w != sid]
+            add_server()
+        elif action == "wait":
+            now += LIVE_S if k < 3 else SERVER_GONE_S
+            budget.expire(now)
+        now += 0.01
+        held = books.accepted + sum(s["adm"].admitted - books.received.get(i, 0)
+                                    for i, s in servers.items() if s["alive"])
+        # the groups accepted or held by live servers fit the bound of the current version
+        assert held <= (staleness + version + 1) * batch
+    window = budget.take_window(version)
+    assert window.get("admission/min_margin", 0) >= 0 and window["admission/violations"] == 0

@@ -20,6 +20,7 @@ import zmq
 from test_protocol import dec, enc, header_of, rebuild
 from transformers import AutoModelForCausalLM
 
+from learner.budget import Budget
 from learner.weight_sender import WeightSender
 from qurl import delta, sglang_payload, transport
 from qurl.protocol import BadField, BadFrame, Status, WeightPush, decode, encode, from_torch
@@ -250,7 +251,7 @@ def test_sender_honours_full_every(trajectory):
 
         def sender(full_every: int, scheme: str = "int8") -> WeightSender:
             return WeightSender(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                                transport.Sender(router, "learner"), scheme, counts=lambda sid: (0, 0),
+                                transport.Sender(router, "learner"), scheme, budget=Budget(0, 1, lambda: (0, {})),
                                 full_every=full_every)
 
         s = sender(3)
@@ -278,7 +279,7 @@ def test_a_heartbeat_lagging_just_after_a_push_gets_no_full_repush(trajectory):
         pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
         router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
         sender = WeightSender(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                              transport.Sender(router, "learner"), "int8", counts=lambda sid: (0, 0), full_every=10)
+                              transport.Sender(router, "learner"), "int8", budget=Budget(0, 1, lambda: (0, {})), full_every=10)
         sender.start()
         dealer = transport.connect(ctx, zmq.DEALER, router.last_endpoint.decode(), max_bytes=1 << 20)
         tx, rx = transport.Sender(dealer, "srv"), transport.Receiver(dealer, secret=None, max_bytes=1 << 20)
@@ -344,7 +345,7 @@ def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, t
     pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20, hwm=4)
     router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
     sender = WeightSender(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                          transport.Sender(router, "learner"), "int8", counts=lambda sid: (0, 0), full_every=100)
+                          transport.Sender(router, "learner"), "int8", budget=Budget(0, 1, lambda: (0, {})), full_every=100)
     sender.start()
     endpoints = [f"transport.{n}={s.last_endpoint.decode()}" for n, s in
                  (("trajectories", pull), ("weights", pub), ("control", router))]

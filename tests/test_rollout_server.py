@@ -67,10 +67,10 @@ class FakeLearner:
         return dict(self.statuses[-1].counters) if self.statuses else {}
 
     def reply(self) -> None:
-        """What the learner answers: its version, groups accepted (all of them here) and received."""
-        n = len(self.groups)
+        """What the learner answers its only server: its version and the grant (learner/budget.py) that fills the
+        bound, A + (grant - received) = (S + V + 1) * B, with every received group accepted (A = received)."""
         self.control_tx.send(Status(type="reply", server_id="learner", version=self.version,
-                                    counters={"accepted_total": n, "received": n}), to=self.identity)
+                                    budget=(STALENESS + self.version + 1) * BATCH), to=self.identity)
 
     def pump(self, until, timeout_s: float = WAIT_S, pull: bool = True, reply: bool = True) -> None:
         """Serve the sockets until `until()` holds; fail after timeout_s."""
