@@ -74,6 +74,7 @@ class WeightSender:
         self._built_at = -float("inf")  # monotonic time the current version was built
         self._sent: dict[str, torch.Tensor] = {}  # the tensors of the last version built (a delta's base)
         self._eval_wanted: Optional[int] = None  # handed to the next server that checks in
+        self._eval_holder: Optional[tuple[str, int]] = None  # (server id, version) asked and not answered yet
         self._eval_results: list[tuple[int, dict]] = []
         self._codes: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -179,11 +180,22 @@ class WeightSender:
                 return
             for sid in self.budget.expire(time.monotonic()):
                 log.warning("rollout server %s silent for %.0f s: presumed gone, its budget returned", sid, SERVER_GONE_S)
+                self._requeue_eval(sid)
             if got is None:
                 continue
             ident, msg = got
             if isinstance(msg, Status):
                 self._answer(ident, msg)
+
+    def _requeue_eval(self, server_id: str) -> None:
+        """A server died or left before answering its eval request: the next server to check in gets it."""
+        with self._lock:
+            if self._eval_holder is None or self._eval_holder[0] != server_id:
+                return
+            version, self._eval_holder = self._eval_holder[1], None
+            if self._eval_wanted is None or self._eval_wanted < version:
+                self._eval_wanted = version
+        log.warning("rollout server %s left before evaluating version %d: asking the next one", server_id, version)
 
     def _answer(self, ident: bytes, msg: Status) -> None:
         now = time.monotonic()
@@ -193,10 +205,13 @@ class WeightSender:
             self.servers.pop(msg.server_id, None)
             self.budget.bye(msg.server_id, msg.counters)
             log.info("rollout server %s says bye", msg.server_id)
+            self._requeue_eval(msg.server_id)
             return
         if msg.type == "eval_result":
             with self._lock:
                 self._eval_results.append((msg.version, dict(msg.counters)))
+                if self._eval_holder is not None and self._eval_holder[0] == msg.server_id:
+                    self._eval_holder = None
             return
         if msg.type not in ("hello", "heartbeat", "resend_weights", "resend_status"):
             return
@@ -210,6 +225,7 @@ class WeightSender:
             self.servers.pop(dead, None)
             if self.budget.release(dead):
                 log.info("rollout server %s replaces %s: its budget share is returned", msg.server_id, dead)
+            self._requeue_eval(dead)
         if msg.type != "resend_weights":
             info.version, info.running, info.queued, info.seen = msg.version, msg.running, msg.queued, now
             info.counters = dict(msg.counters)
@@ -226,7 +242,7 @@ class WeightSender:
                 request = Status(type="eval_request", server_id=msg.server_id, version=self._eval_wanted)
                 try:
                     self.control_tx.send(request, to=ident, flags=zmq.NOBLOCK)
-                    self._eval_wanted = None
+                    self._eval_holder, self._eval_wanted = (msg.server_id, self._eval_wanted), None
                 except zmq.Again:
                     pass
             # a heartbeat sent before the newest push arrived is not yet lagging: a full repush would undo a delta's savings
