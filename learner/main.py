@@ -86,7 +86,10 @@ def _run_rank(cfg: DictConfig) -> int:
     learner = None
     try:
         learner = Learner(cfg, DistEnv(rank, world, local_rank, device))
-        return learner.run()
+        code = learner.run()
+        if world > 1:  # leave together: gloo torn down on one rank while its peer still works can abort that rank
+            dist.barrier()
+        return code
     except (CheckpointError, StartError) as exc:
         if str(exc):  # empty: another rank failed and says why
             print(f"{PROG}: {exc}", file=sys.stderr)
