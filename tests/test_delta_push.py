@@ -218,17 +218,11 @@ MASK_MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("mutate, error, match", MASK_MALFORMED)
-def test_malformed_delta_masks_are_protocol_errors(mutate, error, match):
-    frames = enc(_mask_delta())
-    assert dec(frames).mode == "delta"
-    with pytest.raises(error, match=match):
-        dec(mutate(frames))
-
-
-@pytest.mark.parametrize("mutate, error, match", MALFORMED)
-def test_malformed_delta_frames_are_protocol_errors(mutate, error, match):
-    frames = enc(_small_delta())
+@pytest.mark.parametrize("base, mutate, error, match",
+                         [(_small_delta, *m) for m in MALFORMED] + [(_mask_delta, *m) for m in MASK_MALFORMED])
+def test_malformed_delta_frames_are_protocol_errors(base, mutate, error, match):
+    """Index and bit-mask deltas alike: every malformation is a ProtocolError naming what is wrong."""
+    frames = enc(base())
     assert dec(frames).mode == "delta"
     with pytest.raises(error, match=match):
         dec(mutate(frames))
