@@ -1,7 +1,7 @@
 """Weight-sync benchmark: full INT8 pushes against delta pushes (qurl/delta.py) after real AdamW steps.
 
 For the demo model (its learning rate, 1.5e-4) and a ~160M random Qwen2 (hidden 1024, 8 layers, untied, as in
-rollout_throughput.py; learning rate 1e-6, an RL fine-tuning rate), with invariant scaling s=1 and s=1.5 (q/k/v):
+rollout_throughput.py; learning rate 1e-6, an RL fine-tuning rate), with invariant scaling s=1, 1.5 and 2 (q/k/v):
 train with AdamW on next-token loss over the demo's arithmetic text, quantize after each step as the learner does,
 and per push report the share of int8 codes that changed, wire bytes of the full and the delta push (all tensors,
 and the codes + scales alone), encode seconds (diff, checksum, protocol encode) and apply seconds (decode, checks,
@@ -38,6 +38,8 @@ LARGE = QWEN2_150M
 QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=512)
 DEMO_LR, LARGE_LR = 1.5e-4, 1e-6
+SCALED = ("q_proj", "k_proj", "v_proj")  # what invariant scaling divides by s (targets qkv)
+SCALES = (1.0, 1.5, 2.0)
 FULL_EVERY = 10
 BATCH, SEQ = 8, 32
 
@@ -76,6 +78,10 @@ def code_bytes(push: WeightPush, checked: set[str]) -> int:
     return sum(t.data.nbytes for name, t in push.tensors.items() if name.rpartition("@")[0] in checked or name in checked)
 
 
+def changed_share(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], names: list[str]) -> float:
+    return sum((new[k] != old[k]).sum().item() for k in names) / sum(new[k].numel() for k in names)
+
+
 def run(model_name: str, path: str, lr: float, s: float, data: list[torch.Tensor], threads: int) -> list[dict]:
     """Per push: changed share, bytes and seconds of the full and the delta push of the same version."""
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -102,7 +108,8 @@ def run(model_name: str, path: str, lr: float, s: float, data: list[torch.Tensor
         opt.zero_grad(set_to_none=True)
         new = tensors()
         codes = [k for k in new if new[k].dtype == torch.int8]
-        changed = sum((new[k] != prev[k]).sum().item() for k in codes) / sum(new[k].numel() for k in codes)
+        changed = changed_share(prev, new, codes)
+        scaled = [k for k in codes if k.split(".")[-2] in SCALED]
 
         t0 = time.perf_counter()
         full = WeightPush(version=version, scheme="int8", checksum=delta.checksum(new),
@@ -123,7 +130,9 @@ def run(model_name: str, path: str, lr: float, s: float, data: list[torch.Tensor
         t4 = time.perf_counter()
         rows.append({
             "kind": "push", "model": model_name, "model_params": params, "lr": lr, "s": s, "version": version,
-            "threads": threads, "changed_frac": changed, "delta_tensors": len(deltas),
+            "threads": threads, "changed_frac": changed, "changed_frac_qkv": changed_share(prev, new, scaled),
+            "changed_frac_other": changed_share(prev, new, [k for k in codes if k not in scaled]),
+            "delta_tensors": len(deltas),
             "full_bytes": wire_bytes(full_frames), "delta_bytes": wire_bytes(delta_frames),
             "bytes_ratio": wire_bytes(delta_frames) / wire_bytes(full_frames),
             "full_code_bytes": code_bytes(full, checked), "delta_code_bytes": code_bytes(push, checked),
@@ -137,13 +146,25 @@ def run(model_name: str, path: str, lr: float, s: float, data: list[torch.Tensor
 def summary(rows: list[dict]) -> dict:
     """Medians over the pushes of one (model, s) run, and mean wire bytes per push with every FULL_EVERY-th full."""
     med = {k: statistics.median(r[k] for r in rows) for k in
-           ("changed_frac", "bytes_ratio", "code_bytes_ratio", "full_bytes", "delta_bytes", "full_encode_s",
-            "delta_encode_s", "delta_apply_s", "full_apply_s")}
+           ("changed_frac", "changed_frac_qkv", "changed_frac_other", "bytes_ratio", "code_bytes_ratio", "full_bytes",
+            "delta_bytes", "full_encode_s", "delta_encode_s", "delta_apply_s", "full_apply_s")}
     mean_push = (med["full_bytes"] + (FULL_EVERY - 1) * med["delta_bytes"]) / FULL_EVERY
     first = rows[0]
     return {"kind": "summary", **{k: first[k] for k in ("model", "model_params", "lr", "s", "threads")},
             "pushes": len(rows), **med, "full_every": FULL_EVERY, "mean_bytes_per_push": mean_push,
             "mean_bytes_ratio": mean_push / med["full_bytes"]}
+
+
+def scaling_ratios(rows: list[dict]) -> dict[str, float]:
+    """Changed share of the scaled (q/k/v) and the other codes at s over s = 1: Adam predicts about s and 1."""
+    base = {r["model"]: r for r in rows if r["kind"] == "summary" and r["s"] == 1.0}
+    out = {}
+    for r in rows:
+        if r["kind"] == "summary" and r["s"] != 1.0 and base[r["model"]]["changed_frac_qkv"] > 0:
+            for part in ("qkv", "other"):
+                out[f"{r['model']}/s{r['s']:g}/changed_{part}"] = round(
+                    r[f"changed_frac_{part}"] / base[r["model"]][f"changed_frac_{part}"], 3)
+    return out
 
 
 def checksum_rows(model_name: str, path: str, repeats: int = 3) -> list[dict]:
@@ -197,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, path, lr, pushes in (("demo", os.path.join(demo, "model"), DEMO_LR, demo_pushes),
                                        (large_name, large, LARGE_LR, large_pushes)):
             data = batches(demo, pushes)
-            for s in (1.0, 1.5):
+            for s in SCALES:
                 runs = run(name, path, lr, s, data, args.threads)
                 rows += runs + [summary(runs)]
             rows += checksum_rows(name, path)
-    out = {"benchmark": "sync", "machine": machine_info(), "rows": rows}
+    out = {"benchmark": "sync", "machine": machine_info(), "rows": rows, "ratios": scaling_ratios(rows)}
     emit(out, args.out)
     return 0
 

@@ -408,8 +408,13 @@ def test_sync_benchmark_quick(tmp_path):
     report = json.loads(out.read_text())
     assert report["benchmark"] == "sync" and {"cpu", "cores", "torch", "python"} <= set(report["machine"])
     summaries = [r for r in report["rows"] if r["kind"] == "summary"]
-    assert {(r["model"], r["s"]) for r in summaries} == {(m, s) for m in ("demo", "qwen2-random-quick") for s in (1.0, 1.5)}
+    assert {(r["model"], r["s"]) for r in summaries} == {(m, s) for m in ("demo", "qwen2-random-quick")
+                                                         for s in (1.0, 1.5, 2.0)}
     for r in summaries:
         assert 0 < r["changed_frac"] < 1 and r["full_every"] == 10
+        assert min(r["changed_frac_qkv"], r["changed_frac_other"]) <= r["changed_frac"]
+        assert r["changed_frac"] <= max(r["changed_frac_qkv"], r["changed_frac_other"])
         assert r["delta_bytes"] < r["full_bytes"]  # codes that barely move cost less as a delta
+    assert set(report["ratios"]) == {f"{m}/s{s}/changed_{p}" for m in ("demo", "qwen2-random-quick")
+                                     for s in ("1.5", "2") for p in ("qkv", "other")}
     assert {r["hash"] for r in report["rows"] if r["kind"] == "checksum"} >= {"qurl.delta.checksum", "blake2b-128"}
