@@ -57,6 +57,9 @@ def add_common_args(p: argparse.ArgumentParser, steps: int, seeds: list[int], ou
     p.add_argument("--task", default="add", choices=("add", "sum-steps"), help="demo task (qurl/demo/task.py)")
     p.add_argument("--weight-bits", type=int, default=8, choices=(4, 5, 6, 7, 8),
                    help="quant.weight_bits for the int8 configurations (below 8: mismatch stress, not speed)")
+    p.add_argument("--mini-batches", type=int, default=1,
+                   help="train.mini_batches, optimizer updates per learner step (the demo's 1 keeps the PPO ratio at 1, "
+                        "so clipping and ACR's widening never act)")
     p.add_argument("--demo-dir", default=None, help="prepared demo (default: qurl-prepare-demo's folder for --task)")
     p.add_argument("--quick", action="store_true", help="tiny smoke version (2 steps, small batches, 1 seed)")
 
@@ -66,6 +69,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--steps: must be >= 1, got {args.steps}")
     if args.parallel < 1:
         p.error(f"--parallel: must be >= 1, got {args.parallel}")
+    if args.mini_batches < 1:
+        p.error(f"--mini-batches: must be >= 1, got {args.mini_batches}")
 
 
 def demo(task: str, demo_dir: Optional[str] = None) -> tuple[str, dict]:

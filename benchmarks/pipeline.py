@@ -10,7 +10,7 @@ generation also overlaps the update, so this is the part that did not overlap); 
 sync/seconds / wall (gather, quantize, hand to ZeroMQ); train_share is the rest. Ratios async/sync are
 computed between rows of this run. Resumable like ablation.py: delete the runs folder to measure again.
 
-    python benchmarks/pipeline.py [--steps 30] [--warmup 3] [--out results/pipeline.json] [--quick]
+    python benchmarks/pipeline.py [--steps 60] [--warmup 5] [--out results/pipeline.json] [--quick]
 """
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def ratios(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pipeline.py", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the rates")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the rates")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     p.add_argument("--runs-dir", default=os.path.join("runs", "pipeline"))
     p.add_argument("--demo-dir", default=None)

@@ -23,7 +23,7 @@ import time
 from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ablation import INT, build_runs  # noqa: E402
+from ablation import INT, build_runs, suffix  # noqa: E402
 from demo_runs import (DEMO_CONFIG, add_common_args, check_args, demo, mean_std, plot_curve, read_run,  # noqa: E402
                        run_all, strip_curves, write_result)
 
@@ -120,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     from common import machine_info
 
     result = {"benchmark": "scaling_study", "machine": machine_info(), "task": args.task,
-              "weight_bits": args.weight_bits, "steps": args.steps, "seeds": args.seeds,
+              "weight_bits": args.weight_bits, "mini_batches": args.mini_batches, "steps": args.steps, "seeds": args.seeds,
               "summary": report(rows, {name: f for name, (_, f) in table.items()}, skip),
               "note": f"means over steps {skip + 1}..{args.steps}; changed_frac_factor = changed_frac_mean / s1.0's",
               "rows": rows, "failed": failed, "wall_s": round(time.time() - started, 1)}
-    path = write_result(args.out, "scaling", result)
-    plot(rows, os.path.join(args.out, "scaling.png"),
+    path = write_result(args.out, "scaling" + suffix(args), result)
+    plot(rows, os.path.join(args.out, f"scaling{suffix(args)}.png"),
          f"invariant scaling: int8 ACR, task {args.task}, weight bits {args.weight_bits}, {args.steps} steps")
     print(json.dumps(strip_curves(result), indent=1))
     for a in result["summary"]:

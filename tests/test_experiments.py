@@ -98,12 +98,18 @@ def test_run_state_and_settings_guard(tmp_path):
         demo_runs._claim(other)
 
 
+def run_benchmark(script: str, tmp_path, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """benchmarks/SCRIPT with its run folders under tmp_path; a failure shows the tail of its stderr."""
+    cmd = [sys.executable, f"benchmarks/{script}", *flags, "--runs-dir", str(tmp_path / "runs")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 @pytest.mark.slow
 def test_ablation_quick_writes_rows_and_plot_and_skips_finished_runs(demo_dir, tmp_path):
-    cmd = [sys.executable, "benchmarks/ablation.py", "--quick", "--out", str(tmp_path), "--runs-dir",
-           str(tmp_path / "runs"), "--demo-dir", str(demo_dir)]
-    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
+    flags = ("--quick", "--out", str(tmp_path), "--demo-dir", str(demo_dir))
+    run_benchmark("ablation.py", tmp_path, *flags, timeout=300)
     result = json.loads((tmp_path / "ablation.json").read_text())
     assert result["benchmark"] == "ablation" and {"cpu", "cores", "torch"} <= set(result["machine"])
     (row,) = result["rows"]
@@ -112,11 +118,52 @@ def test_ablation_quick_writes_rows_and_plot_and_skips_finished_runs(demo_dir, t
     assert row["curves"]["step"] == [1, 2] and len(row["curves"]["mismatch/kl_k3"]) == 2
     assert all(0 <= v <= 1 for v in row["curves"]["reward/mean"]) and row["evals"]["eval/acc_fp"]
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
-    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert second.returncode == 0, second.stderr[-3000:]
+    second = run_benchmark("ablation.py", tmp_path, *flags, timeout=120)
     assert "1 of 1 runs already finished, skipped" in second.stderr
     again = json.loads((tmp_path / "ablation.json").read_text())
     assert again["rows"][0]["wall_s"] == row["wall_s"]  # no new attempt was made
+
+
+@pytest.mark.slow
+def test_stress_ablation_quick_runs_fp32_and_the_int_configs_at_4_bits(tmp_path):
+    from qurl.demo.prepare import Recipe, default_root, prepare
+
+    root = default_root("sum-steps")
+    prepare(root, Recipe(task="sum-steps"), progress=False)  # cached after the first time (about 20 min)
+    run_benchmark("ablation.py", tmp_path, "--stress", "--quick", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "ablation-stress.json").read_text())
+    assert result["benchmark"] == "ablation-stress" and result["task"] == "sum-steps" and result["weight_bits"] == 4
+    assert [r["config"] for r in result["rows"]] == ["fp32", "int8-ppo", "int8-tis", "int8-acr", "int8-acr-s1.5"]
+    assert all(r["ok"] and r["steps"] == 2 for r in result["rows"])
+    for row in result["rows"]:
+        bits = [o for o in row["overrides"] if o.startswith("quant.weight_bits=")]
+        assert bits == ([] if row["config"] == "fp32" else ["quant.weight_bits=4"]), row["overrides"]
+        assert any(o.startswith("rollout.sampling.max_new_tokens=") for o in row["overrides"])
+    assert (tmp_path / "ablation-stress.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_scaling_study_quick_reports_changed_codes_per_config(demo_dir, tmp_path):
+    run_benchmark("scaling_study.py", tmp_path, "--quick", "--out", str(tmp_path), "--demo-dir", str(demo_dir))
+    result = json.loads((tmp_path / "scaling.json").read_text())
+    by = {a["config"]: a for a in result["summary"]}
+    assert set(by) == {"s1.0", "s1.5", "s2.0", "s1.5-mlp", "lr1.5x"}
+    assert all(0 < a["changed_frac_mean"] < 1 and a["n"] == 1 for a in by.values())
+    assert by["s1.0"]["changed_frac_factor"] == 1.0 and by["lr1.5x"]["expected_factor"] == 1.5
+    assert 1.0 < by["s1.5"]["expected_factor"] < by["s2.0"]["expected_factor"] < 2.0
+    assert (tmp_path / "scaling.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_pipeline_quick_reports_rates_shares_and_async_ratio(demo_dir, tmp_path):
+    out = tmp_path / "pipeline.json"
+    run_benchmark("pipeline.py", tmp_path, "--quick", "--out", str(out), "--demo-dir", str(demo_dir), timeout=300)
+    result = json.loads(out.read_text())
+    assert [(r["quant"], r["max_staleness"]) for r in result["rows"]] == [("int8", 0), ("int8", 1)]
+    for row in result["rows"]:
+        assert row["ok"] and row["measured_steps"] == 3 and row["steps_per_hour"] > 0
+        assert abs(row["rollout_share"] + row["push_share"] + row["train_share"] - 1) < 1e-9
+    assert result["ratios"]["async_over_sync"]["int8/staleness1"] > 0
 
 
 def test_summary_tables_present_results_and_names_missing_ones(tmp_path):
