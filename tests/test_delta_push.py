@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from test_protocol import dec, enc, header_of, rebuild
+from test_protocol import _edit_header, dec, enc, header_of, rebuild
 from transformers import AutoModelForCausalLM
 
 from learner.budget import Budget
@@ -161,20 +161,11 @@ def _small_delta() -> WeightPush:
     return push
 
 
-def _edit(edit):
-    def mutate(frames):
-        h = header_of(frames)
-        edit(h)
-        return rebuild(frames, header=h)
-
-    return mutate
-
-
 def _entry(name: str, key: str, value, **more):
     def edit(h):
         next(e for e in h["tensors"] if e["name"] == name).update({key: value, **more})
 
-    return _edit(edit)
+    return _edit_header(edit)
 
 
 def _swap_values(frames):
@@ -195,8 +186,8 @@ MALFORMED = [
     (_entry("l.q_proj.weight@val", "name", "l.v_proj.weight@val"), BadField, "pair l.q_proj.weight@val is missing"),
     (_entry("l.q_proj.weight@idx", "name", "l.q_proj.weight"), BadField, "both whole and as a delta"),
     (_entry("l.q_proj.weight@idx", "name", "l.k_proj.weight@idx"), BadField, "pair l.k_proj.weight@val is missing"),
-    (_edit(lambda h: h.update(mode="full")), BadField, "this push is full"),
-    (_edit(lambda h: h.update(checksum=None)), BadField, "must carry the checksum"),
+    (_edit_header(lambda h: h.update(mode="full")), BadField, "this push is full"),
+    (_edit_header(lambda h: h.update(checksum=None)), BadField, "must carry the checksum"),
     (_swap_values, BadField, "strictly increasing"),
 ]
 
