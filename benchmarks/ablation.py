@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(task="sum-steps", weight_bits=STRESS_BITS, steps=STRESS_STEPS, configs=STRESS_CONFIGS)
         args = p.parse_args(argv)
     check_args(p, args)
-    args.configs = (["int8-acr"] if args.quick and not args.configs else args.configs) or list(CONFIGS)
+    if not args.configs:
+        args.configs = ["int8-acr"] if args.quick else list(CONFIGS)
     if args.quick:
         args.steps, args.seeds = 2, args.seeds[:1]
     started = time.time()
