@@ -21,6 +21,10 @@ test-all:
 	@bash scripts/setup.sh test
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
-test-sglang:  # CPU checks against the real sglang package (installed --no-deps into .venv-sglang)
+# The real sglang 0.5.23 on this CPU (.venv-sglang): SGLang's own pieces, then its Engine run for real through our
+# adapter with the CPU stand-ins of tests/sglang_cpu (sgl_kernel, the quantized matmuls) on PYTHONPATH.
+test-sglang:
 	bash scripts/setup_sglang_cpu.sh
 	.venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/test_sglang.py
+	SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/sglang_cpu .venv-sglang/bin/python -m pytest -q -p no:cacheprovider \
+	  -W ignore::UserWarning -W ignore::DeprecationWarning tests/test_sglang_engine.py

@@ -2,9 +2,9 @@
 
 zmq: quantized tensors in a WeightPush over the PUB socket (any engine, CPU or GPU). cuda-ipc (SGLang replicas on
 this node): the buckets live in CUDA buffers on rank 0's GPU, allocated at the first push and rewritten in place,
-and a WeightRef carries per-rank handles (serialize_named of views into them). The buffers are never freed, so
-torch's IPC refcounts never matter; a push waits until every live server reports the previous version before it
-overwrites them. nccl (SGLang replicas on other GPUs): rank 0 and every replica's TP ranks join one process group
+and a WeightRef carries per-rank handles (serialize_named of views into them). Two sets alternate and are never
+freed, so torch's IPC refcounts never matter; a set is rewritten only once every live server reports the version it
+holds applied, else that push is skipped. nccl (SGLang replicas on other GPUs): rank 0 and every replica's TP ranks join one process group
 at start; a push sends a WeightRef with the bucket metadata, then broadcasts each bucket flattened.
 """
 from __future__ import annotations
@@ -38,37 +38,51 @@ class ZmqPush:
 
 
 class IpcPush:
-    """CUDA IPC handles to persistent buckets on this GPU: the servers call SGLangEngine.apply_serialized."""
+    """CUDA IPC handles to persistent buckets on this GPU: the servers call SGLangEngine.apply_serialized.
+
+    Two sets of buffers alternate, so push N+1 never touches the bytes of push N. Before a set is rewritten
+    (push N+2 over N) every live server must report version N applied; one that has not within ack_timeout_s
+    would still read those bytes and label N+2's weights as N, so that push is skipped instead (the servers keep
+    N+1, the next push tries again).
+    """
 
     def __init__(self, sender: WeightSender, scheme: str, device: torch.device, ranks: int,
                  bucket_bytes: int = payload.DEFAULT_BUCKET_BYTES, ack_timeout_s: float = IPC_ACK_TIMEOUT_S) -> None:
         self.sender, self.scheme, self.device, self.ranks = sender, scheme, device, ranks
         self.bucket_bytes, self.ack_timeout_s = bucket_bytes, ack_timeout_s
         self.metas: list | None = None
-        self.buffers: list[torch.Tensor] = []
-        self.version: int | None = None  # the version the buffers hold
+        self.sets: list[list[torch.Tensor]] = []  # two sets of per-bucket uint8 buffers
+        self.versions: list[int | None] = [None, None]  # the version each set holds
+        self.skipped = 0
 
-    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> PushStats:
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> PushStats | None:
+        """Announce `version`; None when it was skipped because a server still reads the set it would overwrite."""
         buckets = payload.buckets(payload.named_tensors(tensors, self.scheme), self.bucket_bytes)
         metas = [payload.bucket_meta(b) for b in buckets]
         if self.metas is None:
             self.metas = metas
-            self.buffers = [torch.empty(sum(t.numel() * t.element_size() for _, t in b), dtype=torch.uint8,
-                                        device=self.device) for b in buckets]
+            self.sets = [[torch.empty(sum(t.numel() * t.element_size() for _, t in b), dtype=torch.uint8,
+                                      device=self.device) for b in buckets] for _ in range(2)]
         elif metas != self.metas:
             raise ValueError("sync.transport=cuda-ipc: a push changed the tensors' names, dtypes or shapes")
-        else:
-            behind = self.sender.wait_applied(self.version, self.ack_timeout_s)
+        target = 0 if self.versions[0] is None or (self.versions[1] is not None
+                                                   and self.versions[0] < self.versions[1]) else 1
+        held = self.versions[target]
+        if held is not None:
+            behind = self.sender.wait_applied(held, self.ack_timeout_s)
             if behind:
-                log.warning("cuda-ipc push %d overwrites version %d that %s did not report applied within %.0f s",
-                            version, self.version, ", ".join(behind), self.ack_timeout_s)
-        for flat, bucket in zip(self.buffers, buckets):
+                self.skipped += 1
+                log.warning("cuda-ipc push %d skipped: %s did not report version %d applied within %.0f s and may "
+                            "still read its buffers", version, ", ".join(behind), held, self.ack_timeout_s)
+                return None
+        buffers = self.sets[target]
+        for flat, bucket in zip(buffers, buckets):
             flat.copy_(payload.flatten(bucket))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the bytes are in place before any server can read them
-        self.version = version
+        self.versions[target] = version
         payloads = [payload.serialize_named(payload.views(flat, meta), self.ranks)
-                    for flat, meta in zip(self.buffers, metas)]
+                    for flat, meta in zip(buffers, metas)]
         ref = WeightRef(version=version, scheme=self.scheme, transport="cuda-ipc", buckets=metas, payloads=payloads)
         return self.sender.announce(version, ref, tensors, repush=True)
 

@@ -550,6 +550,9 @@ class Learner:
             self.sender.set_baseline(tensors)
             return {}
         stats = self.pusher.publish(self.progress.version, tensors)
+        if stats is None:  # cuda-ipc: a server still reads the buffers this push would overwrite; the next one tries
+            return {"sync/seconds": time.perf_counter() - started, "sync/bytes": 0, "sync/changed_frac": 0.0,
+                    "sync/full_bytes": 0, "sync/delta": 0, "sync/skipped": 1}
         return {"sync/seconds": time.perf_counter() - started, "sync/bytes": stats.bytes,
                 "sync/changed_frac": stats.changed_frac, "sync/full_bytes": stats.full_bytes,
                 "sync/delta": int(stats.mode == "delta")}

@@ -5,7 +5,7 @@ import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -65,6 +65,7 @@ class RolloutConfig:
     n_samples: int = 8
     tp_size: int = 1
     mem_fraction: Optional[float] = None  # sglang: share of GPU memory for weights + KV cache; null: SGLang's default
+    server_args: Dict[str, Any] = field(default_factory=dict)  # sglang: any other ServerArgs field
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -345,6 +346,11 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
     if bits != 8 and not (4 <= bits <= 7 and int_torch):
         raise ConfigError(f"quant.weight_bits={bits!r} is not allowed; use 8, or 4..7 with rollout.quant=int8 and "
                           "rollout.engine=torch (a mismatch study knob)")
+    if get(cfg, "rollout.engine") == "sglang" and get(cfg, "rollout.quant") != "none" \
+            and get(cfg, "rollout.dtype") != "bfloat16":
+        raise ConfigError(f"rollout.dtype={get(cfg, 'rollout.dtype')} with rollout.engine=sglang and rollout.quant="
+                          f"{get(cfg, 'rollout.quant')}: SGLang's quantized layers take bfloat16 only; "
+                          "set rollout.dtype=bfloat16")
     name = get(cfg, "reward.name")
     if name not in ("math", "arith") and not re.fullmatch(r"[\w.]+:\w+", name):
         raise ConfigError(f"reward.name={name!r} is not allowed; use math, arith or package.module:function")

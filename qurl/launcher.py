@@ -73,10 +73,14 @@ class Child:
     def poll(self) -> Optional[int]:
         return self.proc.poll() if self.proc else None
 
-    def signal(self, sig: int) -> None:
+    def signal(self, sig: int, group: bool = True) -> None:
+        """Signal the child and everything it started, or (group=False) the child alone."""
         if self.proc and self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, sig)  # the child and everything it started
+                if group:
+                    os.killpg(self.proc.pid, sig)
+                else:
+                    self.proc.send_signal(sig)
             except ProcessLookupError:
                 pass
 
@@ -253,8 +257,9 @@ def _wait(child: Child, timeout: float) -> None:
 
 def _shutdown(learner: Child, servers: list[Child]) -> None:
     """SIGTERM everything still running, then SIGKILL what does not leave in time."""
-    for child in [*servers, learner]:
-        child.signal(signal.SIGTERM)
+    for child in servers:  # a server stops its own engine (SGLang's subprocesses) and reward workers in order
+        child.signal(signal.SIGTERM, group=False)
+    learner.signal(signal.SIGTERM)
     for child in [*servers, learner]:
         _wait(child, timeout=30)
         if child.log_file:

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import zmq
 from omegaconf import DictConfig
@@ -78,13 +78,27 @@ def check_vocab(tokenizer_size: int, vocab_size: int, path: str) -> None:
                          f"{vocab_size}; the tokenizer and the weights belong to different models")
 
 
+def check_context(max_seq_len: int, model_config: Any, path: str) -> None:
+    """A context past the model's positions is refused by SGLang at start and untrained for any engine: say so first."""
+    positions = model_config.max_position_embeddings
+    factor = (getattr(model_config, "rope_scaling", None) or {}).get("factor", 1.0)
+    if (getattr(model_config, "rope_scaling", None) or {}).get("rope_type", "") in ("yarn", "dynamic", "linear"):
+        positions = int(positions * factor)
+    if max_seq_len > positions:
+        raise ValueError(f"rollout.max_seq_len={max_seq_len} exceeds the {positions} positions of the model at "
+                         f"model.path={path!r} (max_position_embeddings in its config.json); lower rollout.max_seq_len "
+                         "(with data.max_prompt_len and rollout.sampling.max_new_tokens)")
+
+
 def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replica: int = 0) -> RolloutLoop:
     """Tokenizer, prompts, engine, reward pool and sockets, wired into one loop; cleanup closes them."""
     from transformers import AutoConfig, AutoTokenizer
 
     path = get(cfg, "model.path")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    check_vocab(len(tokenizer), AutoConfig.from_pretrained(path).vocab_size, path)
+    model_config = AutoConfig.from_pretrained(path)
+    check_vocab(len(tokenizer), model_config.vocab_size, path)
+    check_context(get(cfg, "rollout.max_seq_len"), model_config, path)
     # a prompt must leave room in the KV cache for a full response
     room = get(cfg, "rollout.max_seq_len") - get(cfg, "rollout.sampling.max_new_tokens")
     if room < 1:

@@ -66,6 +66,7 @@ def test_overrides_apply_and_async_is_spelled_async():
     ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
     ("train.mini_batches=64", "train.mini_batches"),
     ("sync.full_every=0", "sync.full_every"),
+    ("rollout.engine=sglang", "rollout.dtype"),  # the demo's float32 with a quantized SGLang engine
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:

@@ -1,13 +1,11 @@
 """The SGLang engine adapter, its INT8 loader and the SGLang weight payloads.
 
 Tests of our own logic run everywhere. Tests marked `needs_sglang` run against the real sglang 0.5.23 package,
-on CPU, in the optional venv made by scripts/setup_sglang_cpu.sh (SGLang's own ServerArgs resolution, request
-normalisation, FlattenedTensorBucket, MultiprocessingSerializer, W8A8Int8LinearMethod / Fp8LinearMethod layers,
-WeightUpdater's flattened-bucket receive over gloo). Generation itself needs a GPU: benchmarks/gpu_check_sglang.sh.
+on CPU, in the venv made by scripts/setup_sglang_cpu.sh (SGLang's own ServerArgs resolution, request
+normalisation, FlattenedTensorBucket, MultiprocessingSerializer, W8A8Int8LinearMethod / Fp8LinearMethod layers at
+TP 2 and 4, WeightUpdater's flattened-bucket receive over gloo). The running engine: tests/test_sglang_engine.py.
 """
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import json
 import math
@@ -15,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -61,51 +58,16 @@ def rank_slice(name: str, t: torch.Tensor, rank: int, tp: int, kv_heads: int):
     return t[index * rows:(index + 1) * rows]
 
 
-class _AbsentModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return importlib.import_module(f"{self.__name__}.{name}")
-
-
-class _AbsentTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Import-time stand-in for torchvision, which has no CPU wheel for torch 2.13 on PyPI (the CUDA wheel fails to
-    register its ops on CPU torch). sglang 0.5.23 imports it at module level only for image processors; the
-    tests never call it, and version 0.0 keeps transformers off its torchvision code paths."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return _AbsentModule(spec.name)
-
-    def exec_module(self, module):
-        module.__path__, module.__version__ = [], "0.0"
-
-
 @pytest.fixture(scope="module")
 def sg():
-    """Import sglang for the tests below (with the torchvision stand-in only where torchvision cannot load)."""
+    """Import sglang for the tests below."""
     pytest.importorskip("sglang")
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         pytest.skip("SGLANG_USE_CPU_ENGINE=1 selects SGLang's AMX path; these tests check the CUDA layouts")
-    stand_in_for_torchvision()
     import sglang
 
     assert sglang.__version__ == se.SGLANG_VERSION
     return sglang
-
-
-def stand_in_for_torchvision() -> None:
-    """Use the stand-in only where the real torchvision cannot be imported."""
-    try:
-        import torchvision  # noqa: F401
-    except Exception:
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        sys.meta_path.insert(0, _AbsentTorchvision())
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +251,7 @@ def test_rollout_server_with_sglang_engine_fails_at_start_with_one_line(small_de
     server = str(Path(sys.executable).parent / "qurl-rollout-server")
     out = subprocess.run([server, "--config", str(ROOT / "configs/demo-cpu.yaml"), f"model.path={demo_dir / 'model'}",
                           f"data.train_files=[{demo_dir / 'train.jsonl'}]", "data.eval_files=[]",
-                          "rollout.engine=sglang", "transport.trajectories=tcp://127.0.0.1:9",
+                          "rollout.engine=sglang", "rollout.dtype=bfloat16", "transport.trajectories=tcp://127.0.0.1:9",
                           "transport.weights=tcp://127.0.0.1:9", "transport.control=tcp://127.0.0.1:9"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
@@ -640,7 +602,6 @@ def test_learner_nccl_push_reaches_a_replica_through_sglang_distributed_receive(
 
 def _replica_main(spec_path: str, out_path: str) -> None:
     """Child side of the test above: subscribe, join the group with SGLang's WeightUpdater, receive per the ref."""
-    stand_in_for_torchvision()
     import torch.distributed as dist
     import zmq
 
@@ -687,19 +648,25 @@ def test_learner_ipc_push_rewrites_its_buffers_and_payloads_open_in_sglang(sg, w
     rx = transport.Receiver(transport.connect(ctx, zmq.SUB, endpoint, max_bytes=1 << 30), secret=b"k",
                             max_bytes=1 << 30, kinds=("weight_ref",))
     time.sleep(0.3)
-    push = IpcPush(sender, "int8", torch.device("cpu"), ranks=4, bucket_bytes=200_000)
-    buffers = None
-    for version, seed in ((1, 0), (2, 1)):
+    push = IpcPush(sender, "int8", torch.device("cpu"), ranks=4, bucket_bytes=200_000, ack_timeout_s=0.2)
+    sets = None
+    for version, seed in ((1, 0), (2, 1), (3, 2)):
         pushed = quantize_state_dict(layer_tensors(PREFIX, 256, 4, 2, 64, 384, seed=seed), "int8")
-        push.publish(version, pushed)
-        buffers = buffers or list(push.buffers)
-        assert all(a is b for a, b in zip(buffers, push.buffers))  # rewritten in place, never reallocated
+        assert push.publish(version, pushed) is not None
+        sets = sets or [list(s) for s in push.sets]
+        assert all(a is b for s, t in zip(sets, push.sets) for a, b in zip(s, t))  # rewritten, never reallocated
+        assert push.versions == ([1, None], [1, 2], [3, 2])[version - 1]  # the two sets alternate
         ref = rx.recv(timeout_ms=5000)
         assert isinstance(ref, WeightRef) and ref.version == version and ref.ranks == 4
         opened = dict(pair for p in ref.payloads for pair in MultiprocessingSerializer.deserialize(p[3]))
         assert opened.keys() == pushed.keys()
         assert all(torch.equal(opened[k].view(torch.uint8), pushed[k].view(torch.uint8)) for k in pushed)
         sender.servers = {"rollout-0": ServerInfo(version, 0, 0, time.monotonic())}  # as its heartbeat says
+    # a server still on version 1 has yet to read set 1 (version 2): push 4 would overwrite it, so it is skipped
+    sender.servers = {"rollout-0": ServerInfo(1, 0, 0, time.monotonic())}
+    before = [t.clone() for t in push.sets[1]]
+    assert push.publish(4, pushed) is None and push.skipped == 1 and push.versions == [3, 2]
+    assert all(torch.equal(a, b) for a, b in zip(before, push.sets[1])) and rx.recv(timeout_ms=300) is None
 
     class Replica:  # the SGLangEngine surface apply_ref uses; a live one needs CUDA (gpu_check_sglang.sh)
         tp_size = 2
@@ -712,7 +679,7 @@ def test_learner_ipc_push_rewrites_its_buffers_and_payloads_open_in_sglang(sg, w
 
     replica = Replica()
     apply_ref(replica, ref, replica=1)
-    assert replica.got == ([p[2:4] for p in ref.payloads], 2) and replica.metas == ref.buckets
+    assert replica.got == ([p[2:4] for p in ref.payloads], 3) and replica.metas == ref.buckets
     with pytest.raises(ValueError, match="replica 2 with tp 2"):
         apply_ref(replica, ref, replica=2)
 
@@ -723,6 +690,59 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_context_past_the_models_positions_is_refused_at_start_and_the_recipes_fit():
+    from transformers import Qwen2Config
+
+    from qurl.config import get, load_config
+    from rollout_server.main import check_context
+
+    check_context(4096, Qwen2Config(max_position_embeddings=4096), "m")
+    with pytest.raises(ValueError, match=r"rollout.max_seq_len=22528 exceeds the 4096 positions"):
+        check_context(22528, Qwen2Config(max_position_embeddings=4096), "m")
+    yarn = Qwen2Config(max_position_embeddings=4096, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    check_context(16384, yarn, "m")
+    # the base models' max_position_embeddings (their Hugging Face config.json), which SGLang enforces
+    positions = {"configs/dapo-7b-fp8.yaml": 4096, "configs/deepscaler-1.5b-int8.yaml": 131072}
+    for recipe, limit in positions.items():
+        cfg = load_config(str(ROOT / recipe), check_paths=False)
+        assert get(cfg, "rollout.max_seq_len") <= limit, recipe
+        assert get(cfg, "data.max_prompt_len") + get(cfg, "rollout.sampling.max_new_tokens") <= \
+            get(cfg, "rollout.max_seq_len"), recipe
+
+
+def test_fp8_refits_are_refused_off_hopper_and_logprob_switches_are_refused():
+    assert se.fp8_refit_problem((9, 0)) is None
+    for cap, why in (((10, 0), "DeepGEMM"), ((12, 0), "DeepGEMM"), ((8, 9), "Marlin"), ((8, 0), "Marlin")):
+        problem = se.fp8_refit_problem(cap)
+        assert why in problem and f"SM{cap[0]}{cap[1]}" in problem and "\n" not in problem
+    common = dict(dtype="bfloat16", tp_size=1, gpus=[0], max_batch=8, max_seq_len=64)
+    with pytest.raises(ValueError, match="rl_on_policy_target"):
+        se.engine_args("/m", scheme="none", server_args={"rl_on_policy_target": "fsdp"}, **common)
+    os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    try:
+        with pytest.raises(ValueError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
+            se.engine_args("/m", scheme="none", **common)
+    finally:
+        del os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"]
+    with pytest.raises(ValueError, match="bfloat16"):
+        se.engine_args("/m", scheme="int8", **{**common, "dtype": "float32"})
+
+
+def test_server_args_merge_into_the_fp8_override_and_loader_lists():
+    common = dict(dtype="bfloat16", tp_size=1, gpus=[0], max_batch=8, max_seq_len=64)
+    args = se.engine_args("/m", scheme="fp8-block", server_args={
+        "json_model_override_args": json.dumps({"rope_theta": 1e6}), "custom_weight_loader": ["my.loader"],
+        "cuda_graph_max_bs_decode": 8}, **common)
+    assert json.loads(args["json_model_override_args"]) == {"rope_theta": 1e6,
+                                                            "quantization_config": se.FP8_BLOCK_CONFIG}
+    assert args["custom_weight_loader"] == [se.FP8_LOADER_PATH, "my.loader"] and args["cuda_graph_max_bs_decode"] == 8
+    cpu = se.engine_args("/m", scheme="none", **{**common, "gpus": None, "dtype": "float32"})
+    assert (cpu["device"], cpu["attention_backend"], cpu["disable_cuda_graph"]) == ("cpu", "torch_native", True)
+    assert cpu["max_total_tokens"] == 8 * 64 and "base_gpu_id" not in cpu
+    with pytest.raises(ValueError, match="JSON object"):
+        se.engine_args("/m", scheme="none", server_args={"json_model_override_args": "[1]"}, **common)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--replica"]:

@@ -79,10 +79,12 @@ def load_engine(
     mem_fraction: float | None = None,
     seed: int = 0,
     weight_bits: int = 8,
+    server_args: dict | None = None,
 ):
     """Build a rollout engine from a Hugging Face folder; the import stays lazy so this module is light.
 
-    tp_size, gpus (this replica's GPUs, see sglang_engine.placement), mem_fraction and seed apply to SGLang only;
+    tp_size, gpus (this replica's GPUs, see sglang_engine.placement), mem_fraction, seed and server_args (any other
+    ServerArgs field) apply to SGLang only;
     weight_bits < 8 (torch engine, int8 only) is the quant.weight_bits mismatch study knob.
     """
     if engine not in ENGINES:
@@ -98,7 +100,7 @@ def load_engine(
 
         return SGLangEngine.from_pretrained(
             model_path, quant=quant, dtype=dtype, device=device, max_batch=max_batch, max_seq_len=max_seq_len,
-            tp_size=tp_size, gpus=gpus, mem_fraction=mem_fraction, seed=seed,
+            tp_size=tp_size, gpus=gpus, mem_fraction=mem_fraction, seed=seed, server_args=server_args,
         )
     if tp_size != 1:
         raise ValueError(f"rollout.tp_size={tp_size} needs rollout.engine=sglang; the torch engine runs on one device")

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import glob
 import json
+import logging
 import os
+import signal
 from collections.abc import Hashable, Iterator
 from typing import Any
 
@@ -23,6 +25,7 @@ from qurl import delta
 from qurl import sglang_payload as payload
 from qurl.quant import is_quantized_linear, quantize_state_dict
 from rollout_server.engines import GenRequest, GenResult, Sample, check_names, run_to_completion
+from rollout_server.engines.sglang_fp8_loader import LOADER_PATH as FP8_LOADER_PATH
 from rollout_server.engines.sglang_int8_loader import LOADER_PATH
 
 SGLANG_VERSION = "0.5.23"
@@ -32,6 +35,7 @@ SCHEMES = ("none", "int8", "fp8-block")
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [payload.FP8_BLOCK, payload.FP8_BLOCK]}
 DTYPES = ("float32", "bfloat16")
+CPU_MEM_FRACTION = 0.05  # SGLang's CPU engine: max_total_tokens sizes the KV cache, this only bounds it
 POLL_S = 0.005  # how long step() lets SGLang's event loop run when nothing has finished yet
 UPDATE_GROUP = payload.GROUP_NAME
 
@@ -61,36 +65,90 @@ def placement(cfg: Any, replica: int) -> dict[str, Any]:
 
     tp, gpus = get(cfg, "rollout.tp_size"), list(get(cfg, "cluster.rollout_gpus"))
     return {"tp_size": tp, "gpus": replica_gpus(gpus, tp, replica) if gpus else None,
-            "mem_fraction": get(cfg, "rollout.mem_fraction"), "seed": get(cfg, "run.seed")}
+            "mem_fraction": get(cfg, "rollout.mem_fraction"), "seed": get(cfg, "run.seed"),
+            "server_args": dict(get(cfg, "rollout.server_args"))}
 
 
-def engine_args(model_path: str, *, scheme: str, dtype: str, tp_size: int, gpus: list[int], max_batch: int,
+def engine_args(model_path: str, *, scheme: str, dtype: str, tp_size: int, gpus: list[int] | None, max_batch: int,
                 max_seq_len: int, seed: int = 0, mem_fraction: float | None = None,
                 server_args: dict[str, Any] | None = None) -> dict[str, Any]:
-    """sglang.Engine / ServerArgs keyword arguments for one replica: dp 1, token ids in and out, version "0"."""
+    """sglang.Engine / ServerArgs keyword arguments for one replica: dp 1, token ids in and out, version "0".
+
+    gpus None: SGLang's CPU engine (tests and CPU rehearsals; needs SGLANG_USE_CPU_ENGINE=1), torch-native
+    attention, no CUDA graphs, a KV cache of max_batch * max_seq_len tokens.
+    """
     if scheme not in SCHEMES:
         raise ValueError(f"rollout quant scheme {scheme!r} has no SGLang refit; use one of {', '.join(SCHEMES)}")
     if dtype not in DTYPES:
         raise ValueError(f"rollout.dtype={dtype!r} is not allowed; choose one of: {', '.join(DTYPES)}")
-    if len(gpus) != tp_size:
-        raise ValueError(f"need {tp_size} GPUs for tp_size={tp_size}, got {gpus}")
-    step = gpus[1] - gpus[0] if len(gpus) > 1 else 1
-    if step < 1 or list(gpus) != [gpus[0] + i * step for i in range(len(gpus))]:
-        raise ValueError(f"a replica's GPUs must be evenly spaced and increasing (SGLang's base_gpu_id + gpu_id_step), got {gpus}")
+    if scheme != "none" and dtype != "bfloat16":
+        raise ValueError(f"rollout.dtype={dtype} with a {scheme} SGLang engine: SGLang's quantized linear methods "
+                         "take bfloat16 activations only; set rollout.dtype=bfloat16")
+    server_args = dict(server_args or {})
+    check_server_args(server_args)
     args: dict[str, Any] = dict(
-        model_path=model_path, tp_size=tp_size, dp_size=1, base_gpu_id=gpus[0], gpu_id_step=step, device="cuda",
-        skip_tokenizer_init=True, dtype=dtype, context_length=max_seq_len, max_running_requests=max_batch,
-        random_seed=seed, weight_version="0", log_level="error",
+        model_path=model_path, tp_size=tp_size, dp_size=1, skip_tokenizer_init=True, dtype=dtype,
+        context_length=max_seq_len, max_running_requests=max_batch, random_seed=seed, weight_version="0",
+        log_level="error",
     )
+    if gpus is None:
+        if tp_size != 1:
+            raise ValueError(f"rollout.tp_size={tp_size}: SGLang's CPU engine runs one rank here; use tp_size 1")
+        args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                    max_total_tokens=max_batch * max_seq_len, mem_fraction_static=CPU_MEM_FRACTION)
+    else:
+        if len(gpus) != tp_size:
+            raise ValueError(f"need {tp_size} GPUs for tp_size={tp_size}, got {gpus}")
+        step = gpus[1] - gpus[0] if len(gpus) > 1 else 1
+        if step < 1 or list(gpus) != [gpus[0] + i * step for i in range(len(gpus))]:
+            raise ValueError("a replica's GPUs must be evenly spaced and increasing (SGLang's base_gpu_id + "
+                             f"gpu_id_step), got {gpus}")
+        args.update(base_gpu_id=gpus[0], gpu_id_step=step, device="cuda")
+    overrides = json.loads(server_args.pop("json_model_override_args", None) or "{}")
+    loaders = list(server_args.pop("custom_weight_loader", None) or [])  # merged: ours come first
     if scheme == "int8":
-        args.update(quantization="w8a8_int8", custom_weight_loader=[LOADER_PATH], load_format="dummy")
+        args.update(quantization="w8a8_int8", load_format="dummy")
+        loaders.insert(0, LOADER_PATH)
     elif scheme == "fp8-block":
-        args.update(quantization="fp8", json_model_override_args=json.dumps({"quantization_config": FP8_BLOCK_CONFIG}),
-                    load_format="dummy")
+        args.update(quantization="fp8", load_format="dummy")
+        loaders.insert(0, FP8_LOADER_PATH)
+        overrides["quantization_config"] = FP8_BLOCK_CONFIG  # merged: a user's other overrides stay
+    if loaders:
+        args["custom_weight_loader"] = loaders
+    if overrides:
+        args["json_model_override_args"] = json.dumps(overrides)
     if mem_fraction is not None:
         args["mem_fraction_static"] = mem_fraction
-    args.update(server_args or {})  # any other ServerArgs field, e.g. cuda_graph_max_bs_decode
+    args.update(server_args)  # any other ServerArgs field, e.g. cuda_graph_max_bs_decode
     return args
+
+
+def check_server_args(server_args: dict[str, Any]) -> None:
+    """Refuse settings under which SGLang's logprobs stop being log_softmax(logits / T), the learner's definition."""
+    if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
+        raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return T=1 logprobs while the learner "
+                         "uses log_softmax(logits / T); unset it")
+    if server_args.get("rl_on_policy_target"):
+        raise ValueError("server_args rl_on_policy_target switches SGLang's logprobs to T=1 while the "
+                         "learner uses log_softmax(logits / T); remove it")
+    if server_args.get("json_model_override_args") is not None:
+        try:
+            parsed = json.loads(server_args["json_model_override_args"])
+        except (TypeError, ValueError):
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ValueError("server_args json_model_override_args must be a JSON object, got "
+                             f"{server_args['json_model_override_args']!r}")
+
+
+def fp8_refit_problem(capability: tuple[int, int]) -> str | None:
+    """Why FP8 block refits are unsound on a GPU of this compute capability, or None on Hopper (SM90)."""
+    if capability[0] == 9:
+        return None
+    how = ("DeepGEMM requantizes the block scales to UE8M0" if capability[0] >= 10
+           else "Marlin repacks the FP8 weight and deletes weight_scale_inv")
+    return (f"rollout.quant=fp8 with rollout.engine=sglang needs a Hopper (SM90) GPU, found SM{capability[0]}"
+            f"{capability[1]}: {how} at start, so an in-place refit would load wrong values; use rollout.quant=int8")
 
 
 def tensor_update_request(per_rank: list[bytes], load_format: str | None, last: bool, version: int) -> Any:
@@ -227,18 +285,41 @@ class SGLangEngine:
                         bucket_bytes: int = payload.DEFAULT_BUCKET_BYTES) -> "SGLangEngine":
         """Start SGLang on `gpus` (default: tp_size GPUs from device "cuda:N"), then load version 0."""
         require_sglang()
-        if gpus is None:
+        scheme = quant if quant != "fp8" else "fp8-block"
+        if device == "cpu":
+            if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+                raise ValueError("rollout.engine=sglang with rollout.device=cpu needs SGLANG_USE_CPU_ENGINE=1 (SGLang's "
+                                 "CPU engine; on this project's CPUs only with the test stand-ins of make test-sglang)")
+            gpus = None
+        elif gpus is None:
             if device != "cuda" and not device.startswith("cuda:"):
-                raise ValueError(f"rollout.device={device!r}: the sglang engine runs on CUDA GPUs ('cuda' or 'cuda:N')")
+                raise ValueError(f"rollout.device={device!r}: the sglang engine runs on CUDA GPUs ('cuda' or 'cuda:N') "
+                                 "or, for tests, on the CPU ('cpu')")
             first = int(device.partition(":")[2] or 0)
             gpus = list(range(first, first + tp_size))
-        scheme = quant if quant != "fp8" else "fp8-block"
+        if scheme == "fp8-block" and gpus is not None:
+            problem = fp8_refit_problem(torch.cuda.get_device_capability(gpus[0]))
+            if problem:
+                raise ValueError(problem)
         args = engine_args(path, scheme=scheme, dtype=dtype, tp_size=tp_size, gpus=gpus, max_batch=max_batch,
                            max_seq_len=max_seq_len, seed=seed, mem_fraction=mem_fraction, server_args=server_args)
         expected = expected_tensors(path, scheme)
         import sglang
 
-        self = cls(sglang.Engine(**args), scheme=scheme, tp_size=tp_size, expected=expected, bucket_bytes=bucket_bytes)
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
+        on_signal = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            sgl = sglang.Engine(**args)
+            sgl.loop.run_until_complete(_start_handle_loop(sgl.tokenizer_manager))
+            sgl.loop.remove_signal_handler(signal.SIGTERM)
+        finally:  # SGLang re-runs logging.basicConfig(force=True) and takes SIGTERM: keep the server's log lines
+            root.handlers[:] = handlers  # and its clean stop (SGLang's SIGQUIT handler, for a crashed child, stays)
+            root.setLevel(level)
+            for sig, handler in on_signal.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+        self = cls(sgl, scheme=scheme, tp_size=tp_size, expected=expected, bucket_bytes=bucket_bytes)
         if scheme != "none":
             try:
                 self._session(self._checkpoint_buckets(path), version=0)
@@ -247,12 +328,27 @@ class SGLangEngine:
                 raise
         return self
 
+    @property
+    def load_format(self) -> str | None:
+        """The update load_format of this scheme: our INT8 loader, our checked FP8 loader, SGLang's own for none."""
+        return {"int8": LOADER_PATH, "fp8-block": FP8_LOADER_PATH}.get(self.scheme)
+
     # -- generation ----------------------------------------------------------------------------
 
     @property
     def version(self) -> int:
         """Weight version that produces the next tokens."""
         return self._version
+
+    @property
+    def num_running(self) -> int:
+        """Samples handed to SGLang and not yet returned (it queues past max_running_requests itself)."""
+        return sum(n for _, n in self._tasks.values())
+
+    @property
+    def num_waiting(self) -> int:
+        """Always 0: every added request goes to SGLang at once."""
+        return 0
 
     def has_work(self) -> bool:
         return bool(self._tasks)
@@ -322,7 +418,7 @@ class SGLangEngine:
 
     def _session(self, bucket_iter: Iterator[payload.Named], version: int) -> None:
         """pause(retract) -> begin -> one tensor update per bucket -> end -> continue; the version lands with the last bucket."""
-        load_format = LOADER_PATH if self.scheme == "int8" else None
+        load_format = self.load_format
 
         def request(bucket: payload.Named, last: bool) -> Any:
             obj = tensor_update_request(payload.serialize_named(bucket, self.tp_size), load_format, last, version)
@@ -333,9 +429,10 @@ class SGLangEngine:
 
     def apply_serialized(self, payloads: list[list[bytes]], version: int, load_format: str | None = None) -> None:
         """Colocated push: per bucket, one payload per TP rank already serialized by the learner (CUDA IPC handles)."""
-        if self.scheme == "int8" and load_format not in (None, LOADER_PATH):
-            raise ValueError(f"INT8 refits load through {LOADER_PATH}; load_format={load_format!r} would use SGLang's stock loader")
-        fmt = LOADER_PATH if self.scheme == "int8" else load_format
+        if self.scheme != "none" and load_format not in (None, self.load_format):
+            raise ValueError(f"{self.scheme} refits load through {self.load_format}; load_format={load_format!r} "
+                             "would skip it")
+        fmt = self.load_format if self.scheme != "none" else load_format
 
         def request(per_rank: list[bytes], last: bool) -> Any:
             if len(per_rank) != self.tp_size:
@@ -397,6 +494,11 @@ class SGLangEngine:
     def close(self) -> None:
         """Shut the SGLang subprocesses down."""
         self.engine.shutdown()
+
+
+async def _start_handle_loop(tokenizer_manager: Any) -> None:
+    """Start SGLang's output loop now, inside its event loop: that is where it adds its SIGTERM handler."""
+    tokenizer_manager.auto_create_handle_loop()
 
 
 def _ok(result: tuple[bool, str], what: str) -> None:
