@@ -339,9 +339,10 @@ def _print_summary(summary: dict, out: str, code: int) -> None:
              f"in {summary['wall_s']:.0f} s"]
     first, last = summary.get("eval/acc_quant/first"), summary.get("eval/acc_quant/last")
     if first is not None:
-        at = summary["eval/acc_quant/last_step"]
-        change = f" -> {last:.3f} at step {at}" if at else ""
-        unfinished = "" if at == summary["steps"] else f" (no evaluation at the last step, {summary['steps']})"
+        version = summary["eval/acc_quant/last_version"]
+        change = f" -> {last:.3f} (version {version})" if version else ""
+        unfinished = "" if summary["eval/acc_quant/final"] is not None else (
+            f"; the final weights (version {summary['version']}) were not evaluated")
         lines.append(f"  held-out accuracy (quantized engine): {first:.3f}{change}{unfinished}")
     if summary.get("reward/no_signal_steps", 0) >= NO_SIGNAL_STEPS:
         lines.append(f"  WARNING: {summary['reward/no_signal_steps']} steps in a row had no reward signal "

@@ -64,12 +64,12 @@ def write_summary(run_dir: str, config_yaml: str, wall_s: float, extra: Optional
     }
     for key in ("eval/acc_fp", "eval/acc_quant"):
         evals = [r for r in rows if isinstance(r.get(key), (int, float))]
-        last_step = int(evals[-1].get("step", 0)) if evals else None
+        last_version = evals[-1].get("eval/version") if evals else None
         summary[f"{key}/first"] = _first(rows, key)
         summary[f"{key}/last"] = _last(rows, key)
-        summary[f"{key}/last_step"] = last_step
-        # final: measured at the last step; a run stopped early (Ctrl-C) has none, not its first eval's
-        summary[f"{key}/final"] = summary[f"{key}/last"] if evals and last_step == summary["steps"] else None
+        summary[f"{key}/last_version"] = last_version
+        # final: of the final weights; a run stopped early (Ctrl-C) has none, rather than its first eval's
+        summary[f"{key}/final"] = summary[f"{key}/last"] if evals and last_version == summary["version"] else None
         summary[f"{key}/best"] = _best(rows, key)
     summary["reward/no_signal_steps"] = no_signal_streak(rows)
     tokens = sum(r.get("rollout/tokens", 0) for r in rows)
