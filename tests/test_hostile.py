@@ -1,4 +1,4 @@
-"""Hostile input and operator mistakes (docs/RELIABILITY.md §8), with real processes and real files: a second
+"""Hostile input and operator mistakes (docs/RELIABILITY.md §5), with real processes and real files: a second
 launcher on a live run, non-finite settings and weights, damaged checkpoints, start-up errors that would recur,
 and what the console must say. Each refusal is one line and a documented exit code (qurl/cli.py).
 """
