@@ -30,7 +30,7 @@ from learner.buffer import Batch, TrajectoryBuffer, collate, min_version
 from learner.evaluation import FpEvaluator
 from learner.model import build_policy, invariant_scaling, token_logprobs
 from learner.weight_sender import WeightSender
-from qurl import books, transport
+from qurl import books, run_folder, transport
 from qurl.algorithms import group_advantages, kl_penalty, overlong_penalty, policy_loss
 from qurl.config import get, run_dir, to_yaml
 from qurl.data import DatasetError
@@ -225,8 +225,7 @@ class Learner:
     def _open_hub(self) -> None:
         """Rank 0 binds PULL (trajectories), PUB (weights) and ROUTER (control); `auto` picks free loopback ports."""
         cfg = self.cfg
-        if not cfg.run.resume and (os.path.exists(os.path.join(self.run_dir, "metrics.jsonl"))
-                                   or checkpoint.step_dirs(self.ckpt_root)):
+        if not cfg.run.resume and run_folder.holds_run(self.run_dir):
             raise StartError(f"{self.run_dir} already holds a run; pass run.resume=true to continue it, "
                              "or choose another run.dir")
         secret = cfg.transport.secret.encode() if cfg.transport.secret else None
@@ -295,9 +294,10 @@ class Learner:
                 log.info("resumed from %s: step %d, version %d", path, self.progress.step, self.progress.version)
         if self.is_main:
             cfg = self.cfg
+            # a fresh start drops every old row (-1): only a start that failed before its first step leaves any
             self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, wandb_project=cfg.log.wandb_project,
                                          run_name=cfg.run.name, config=OmegaConf.to_container(cfg, resolve=True),
-                                         resume_step=self.progress.step if cfg.run.resume else None)
+                                         resume_step=self.progress.step if cfg.run.resume else -1)
             self.sender.version = self.progress.version
             self.sender.start()
         self._push(publish=self.progress.version > 0)

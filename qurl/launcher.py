@@ -184,7 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _run(cfg: DictConfig, out: str, config_path: str, learner: Child, servers: list[Child], data: dict) -> int:
     """The run itself, in a folder this launcher owns."""
-    if os.path.exists(os.path.join(out, "metrics.jsonl")) and not get(cfg, "run.resume"):
+    if run_folder.holds_run(out) and not get(cfg, "run.resume"):
         print(f"{PROG}: {out} already holds a run; pass run.resume=true to continue it, or choose another "
               f"run.name / run.dir", file=sys.stderr)
         return EXIT_INPUT

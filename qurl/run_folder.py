@@ -1,7 +1,8 @@
-"""One launcher per run folder: an flock on <run>/.qurl-lock, held open for the launcher's life.
+"""The run folder: whether it holds a run, and one launcher at a time (an flock on <run>/.qurl-lock).
 
-The kernel drops the lock when its owner exits in any way (SIGKILL included), so a crashed run can be
-resumed at once, while a second launcher on a live run is refused before it writes anything.
+The lock is held open for the launcher's life; the kernel drops it when its owner exits in any way
+(SIGKILL included), so a crashed run can be resumed at once, while a second launcher on a live run is
+refused before it writes anything.
 """
 from __future__ import annotations
 
@@ -12,7 +13,18 @@ import socket
 import time
 from typing import IO
 
+from qurl.checkpoint_files import step_dirs
+from qurl.report import read_metrics
+
 LOCK_NAME = ".qurl-lock"
+
+
+def holds_run(run_dir: str) -> bool:
+    """A checkpoint or a trained step is there to lose; a start that failed before its first step leaves neither,
+    so the same command (with the input fixed) may run there again."""
+    if step_dirs(os.path.join(run_dir, "checkpoints")):
+        return True
+    return any("loss/policy" in r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")))
 
 
 class RunFolderBusy(RuntimeError):

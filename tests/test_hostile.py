@@ -203,7 +203,8 @@ def test_a_yaml_syntax_error_names_its_line_and_column(tmp_path):
     print(f"yaml (exit {code}): {line}")
 
 
-def test_a_server_that_cannot_start_is_not_restarted_and_names_the_key_that_limits_prompts(demo_dir, tmp_path):
+def test_a_server_that_cannot_start_is_not_restarted_names_the_key_and_leaves_a_folder_that_runs_when_fixed(demo_dir,
+                                                                                                         tmp_path):
     """rollout.max_seq_len below the prompts: found only once the tokenizer runs, in the server; no restarts."""
     run_dir = tmp_path / "seq"
     code, out = launch(demo_dir, run_dir, 2, "rollout.max_seq_len=16", "data.eval_files=[]", "run.max_restarts=3",
@@ -214,6 +215,13 @@ def test_a_server_that_cannot_start_is_not_restarted_and_names_the_key_that_limi
     assert "restarting" not in out and "resume with" not in out, out
     assert json.loads((run_dir / "summary.json").read_text())["restarts"]["rollout-0"] == 0
     print(f"server (exit {code}): {line}")
+    # what the learner leaves when it evaluates before the server fails: an eval row, no trained step, no
+    # checkpoint; that is no run to protect, so the corrected command runs there and starts the rows afresh
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/acc_fp": 0.5, "eval/version": 0}) + "\n")
+    code, out = launch(demo_dir, run_dir, 2, "data.eval_files=[]")
+    assert code == 0, out
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and not any("eval/acc_fp" in r for r in rows), rows
 
 
 # -- what matters reaches the console and summary.json -------------------------------------------------------------
