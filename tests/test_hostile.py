@@ -244,3 +244,25 @@ def test_bad_rows_a_resume_from_scratch_and_a_reward_without_signal_are_said_on_
     assert summary["reward/no_signal_steps"] == 10 and summary["resume/from"] is None
     outputs = next(line for line in out.splitlines() if "outputs:" in line)
     assert "curves.png" in outputs and "hf/" in outputs
+
+
+def test_the_progress_bar_keeps_the_reward_under_an_eval_row_and_never_runs_backwards(tmp_path):
+    from qurl.launcher import Progress
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 4, "reward/mean": 0.5, "loss/policy": 0.1, "version": 4},
+            {"step": 4, "eval/acc_fp": 0.3, "eval/version": 4}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bar = Progress(10, str(path), start=4)  # resumed at step 4
+    try:
+        bar.update()
+        assert bar.bar.n == 4 and "reward=0.5" in str(bar.bar) and "acc_fp=0.3" in str(bar.bar), str(bar.bar)
+        path.write_text(json.dumps(rows[0]) + "\n")  # the learner trims rows after its checkpoint: no step back
+        bar.update()
+        assert bar.bar.n == 4
+        with path.open("a") as f:
+            f.write(json.dumps({"step": 5, "reward/mean": 0.75, "loss/policy": 0.1, "version": 5}) + "\n")
+        bar.update()
+        assert bar.bar.n == 5 and "reward=0.75" in str(bar.bar), str(bar.bar)
+    finally:
+        bar.close()
