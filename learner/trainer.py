@@ -580,11 +580,15 @@ class Learner:
         dist.all_reduce(bad)
         if not bad.item():
             return
-        good = os.path.join(self.ckpt_root, f"step_{self.saved_step}") if self.saved_step else "none (none was written)"
-        raise NonFiniteWeights(
-            f"step {self.progress.step}: {bad.item()} weight tensors hold inf or NaN (train.lr={self.cfg.train.lr:g}); "
-            f"stopped before pushing, checkpointing or exporting them; last good checkpoint: {good}"
-            if self.is_main else "")
+        saved = os.path.join(self.ckpt_root, f"step_{self.saved_step}") if self.saved_step else ""
+        if self.progress.step == self.saved_step:  # nothing trained in this life yet: what it loaded is bad
+            line = (f"the weights loaded from {saved or 'model.path=' + repr(self.cfg.model.path)} hold inf or NaN "
+                    f"({bad.item()} tensors); stopped before pushing them")
+        else:
+            line = (f"step {self.progress.step}: {bad.item()} weight tensors hold inf or NaN (train.lr="
+                    f"{self.cfg.train.lr:g}); stopped before pushing, checkpointing or exporting them; last good "
+                    f"checkpoint: {saved or 'none (none was written)'}")
+        raise NonFiniteWeights(line if self.is_main else "")
 
     # -- evaluation (rank 0) --------------------------------------------------------------------------
 

@@ -266,3 +266,20 @@ def test_the_progress_bar_keeps_the_reward_under_an_eval_row_and_never_runs_back
         assert bar.bar.n == 5 and "reward=0.75" in str(bar.bar), str(bar.bar)
     finally:
         bar.close()
+
+
+def test_a_model_with_nan_weights_stops_before_its_first_push(demo_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = _model_without(Path(demo_dir), tmp_path, ())
+    tensors = load_file(model / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name][0] = float("nan")
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    run_dir = tmp_path / "nan"
+    code, out = launch(demo_dir, run_dir, 2, f"model.path={model}", "data.eval_files=[]", timeout=120)
+    assert code == EXIT_DIVERGED, out
+    line = next(line for line in out.splitlines() if "inf or NaN" in line)
+    assert f"the weights loaded from model.path='{model}' hold inf or NaN" in line, line
+    assert not (run_dir / "hf").exists() and not (run_dir / "checkpoints").exists()
+    print(f"nan model (exit {code}): {line}")
