@@ -268,6 +268,7 @@ def test_the_progress_bar_keeps_the_reward_under_an_eval_row_and_never_runs_back
         bar.close()
 
 
+@pytest.mark.slow  # the same guard as the divergence above, at start; the default suite keeps that one
 def test_a_model_with_nan_weights_stops_before_its_first_push(demo_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
