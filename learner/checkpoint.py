@@ -8,7 +8,8 @@ Layout of `checkpoints/step_N/` (written into `.tmp-step_N/`, renamed when compl
     optim.safetensors  the full AdamW state, one tensor per "<param name>::<exp_avg|exp_avg_sq|step>"
     rng_rank{R}.pt     rank R's torch RNG states (torch.save of tensors only; rank 0 gathers and writes them all)
     state.json         step, version, the learner's counters (its data cursor), the lr schedule position
-    manifest.json      written last: format tag, model fingerprint, every file with its size
+    manifest.json      written last: format tag, model fingerprint, every file with its size and sha256
+                       (verified on load: a checkpoint damaged in place, same size, is skipped)
 
 Rank 0 gathers and writes full state dicts (get_model_state_dict / get_optimizer_state_dict with
 full_state_dict and cpu_offload) and on resume reads them and broadcasts to the other ranks, so a
@@ -40,10 +41,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from qurl import checkpoint_files
+from qurl.checkpoint_files import FORMAT, step_dirs
 from qurl.quant.invariant_scaling import remove_invariant_scaling
 
-FORMAT = "qurl-learner-checkpoint/1"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt)$|.*\.index\.json$|^config\.json$")
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -147,9 +148,8 @@ def save(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimize
                   os.path.join(tmp, "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
         save_file(_flat_optim(optim), os.path.join(tmp, "optim.safetensors"))
         _fsync_write(os.path.join(tmp, "state.json"), json.dumps(state, indent=1, sort_keys=True))
-        files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
         manifest = {"format": FORMAT, "step": step, "world_size": dist.get_world_size(),
-                    "fingerprint": fingerprint(model), "files": files}
+                    "fingerprint": fingerprint(model), "files": checkpoint_files.describe(tmp)}
         _fsync_write(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1, sort_keys=True))
         if os.path.exists(final):  # a rerun of the same step after a crash: the new one wins
             shutil.rmtree(final)
@@ -157,15 +157,6 @@ def save(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimize
         _prune(root, keep)
     dist.barrier()
     return final
-
-
-def step_dirs(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every step_N folder under root, newest first."""
-    if not os.path.isdir(root):
-        return []
-    found = [(int(m.group(1)), os.path.join(root, name))
-             for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
-    return sorted(found, reverse=True)
 
 
 def _prune(root: str, keep: int) -> None:
@@ -177,21 +168,10 @@ def _prune(root: str, keep: int) -> None:
 
 
 def check(path: str, model_fingerprint: str) -> dict:
-    """The manifest of a complete checkpoint of this model; CheckpointError (one line) otherwise."""
-    manifest_path = os.path.join(path, "manifest.json")
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: incomplete (no manifest.json)") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable manifest.json ({type(exc).__name__})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a qurl learner checkpoint (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    for name, size in manifest.get("files", {}).items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file) or os.path.getsize(file) != size:
-            raise CheckpointError(f"{path}: corrupt ({name} is missing or has the wrong size)")
+    """The manifest of an intact checkpoint (sizes and sha256 match) of this model; CheckpointError (one line) otherwise."""
+    why, manifest = checkpoint_files.problem(path)
+    if why:
+        raise CheckpointError(f"{path}: {why}")
     if manifest.get("fingerprint") != model_fingerprint:
         raise CheckpointError(f"{path}: written for a different model (parameter names or shapes differ from model.path)")
     return manifest

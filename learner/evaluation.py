@@ -44,8 +44,7 @@ class FpEvaluator:
     def from_config(cls, cfg: Any) -> Optional["FpEvaluator"]:
         """None when the config names no eval files."""
         tokenizer = AutoTokenizer.from_pretrained(get(cfg, "model.path"))
-        room = get(cfg, "rollout.max_seq_len") - get(cfg, "rollout.sampling.max_new_tokens")
-        eval_set = load_eval_set(cfg, tokenizer, max(1, min(get(cfg, "data.max_prompt_len"), room)))
+        eval_set = load_eval_set(cfg, tokenizer)
         return cls(cfg, eval_set) if eval_set is not None else None
 
     def accuracy(self, state: dict[str, torch.Tensor]) -> float:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from qurl.cli import parse
+from qurl.cli import EXIT_DIVERGED, EXIT_INPUT, parse
 
 PROG = "qurl-learner"
 INIT_ENV = "QURL_LEARNER_INIT"  # set by _spawn / main for locally started ranks
@@ -63,7 +63,7 @@ def _run_rank(cfg: DictConfig) -> int:
     import torch.distributed as dist
 
     from learner.checkpoint import CheckpointError
-    from learner.trainer import DistEnv, Learner, StartError
+    from learner.trainer import DistEnv, Learner, NonFiniteWeights, StartError
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -72,7 +72,7 @@ def _run_rank(cfg: DictConfig) -> int:
     if gpus:
         if not torch.cuda.is_available():
             print(f"{PROG}: cluster.learner_gpus={gpus} but CUDA is not available", file=sys.stderr)
-            return 2
+            return EXIT_INPUT
         # under qurl-async CUDA_VISIBLE_DEVICES already holds exactly these GPUs, renumbered from 0
         index = local_rank if "CUDA_VISIBLE_DEVICES" in os.environ else gpus[local_rank % len(gpus)]
         device = torch.device("cuda", index)
@@ -90,10 +90,10 @@ def _run_rank(cfg: DictConfig) -> int:
         if world > 1:  # leave together: gloo torn down on one rank while its peer still works can abort that rank
             dist.barrier()
         return code
-    except (CheckpointError, StartError) as exc:
+    except (CheckpointError, StartError, NonFiniteWeights) as exc:
         if str(exc):  # empty: another rank failed and says why
             print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_DIVERGED if isinstance(exc, NonFiniteWeights) else EXIT_INPUT
     finally:
         if learner is not None:
             learner.close()
@@ -151,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     problem = _check(cfg)
     if problem:
         print(f"{PROG}: config error: {problem}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
     if _under_launcher():
         return _run_rank(cfg)
     if cfg.cluster.learner_ranks == 1:

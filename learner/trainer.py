@@ -30,9 +30,10 @@ from learner.buffer import Batch, TrajectoryBuffer, collate, min_version
 from learner.evaluation import FpEvaluator
 from learner.model import build_policy, invariant_scaling, token_logprobs
 from learner.weight_sender import WeightSender
-from qurl import books, transport
+from qurl import books, run_folder, transport
 from qurl.algorithms import group_advantages, kl_penalty, overlong_penalty, policy_loss
 from qurl.config import get, run_dir, to_yaml
+from qurl.data import DatasetError
 from qurl.metrics import MetricsLogger
 from qurl.quant import quantize_state_dict, scheme_for
 from qurl.report import write_summary
@@ -52,6 +53,10 @@ LOSS_METRICS = ("actor/clipfrac", "tis/truncated_frac", "acr/widened_frac", "acr
 
 class StartError(RuntimeError):
     """The learner cannot start (model.path unusable, an endpoint taken); one line naming the setting."""
+
+
+class NonFiniteWeights(RuntimeError):
+    """The policy's weights hold inf or NaN; one line naming the step and the last good checkpoint (empty off rank 0)."""
 
 
 @dataclass
@@ -136,11 +141,14 @@ class Learner:
         self.saved_step = 0  # nothing to save before the first step
         self.timed_out = False  # no group arrived for async.wait_timeout_s
         self.drift_checked = False  # the first batch of this learner life is checked against algo.drift_kl_threshold
-        self.evaluator = FpEvaluator.from_config(cfg) if self.is_main else None
+        self.evaluator = None
         problem = None
         if self.is_main:
             try:
+                self.evaluator = FpEvaluator.from_config(cfg)
                 self._open_hub()
+            except DatasetError as exc:
+                problem = StartError(f"data.eval_files: {exc}")
             except StartError as exc:
                 problem = exc
         self._all_started(problem)
@@ -217,8 +225,7 @@ class Learner:
     def _open_hub(self) -> None:
         """Rank 0 binds PULL (trajectories), PUB (weights) and ROUTER (control); `auto` picks free loopback ports."""
         cfg = self.cfg
-        if not cfg.run.resume and (os.path.exists(os.path.join(self.run_dir, "metrics.jsonl"))
-                                   or checkpoint.step_dirs(self.ckpt_root)):
+        if not cfg.run.resume and run_folder.holds_run(self.run_dir):
             raise StartError(f"{self.run_dir} already holds a run; pass run.resume=true to continue it, "
                              "or choose another run.dir")
         secret = cfg.transport.secret.encode() if cfg.transport.secret else None
@@ -258,12 +265,20 @@ class Learner:
     def _resume_or_start(self) -> None:
         """run.resume: continue from the newest complete checkpoint and push its weights at once."""
         step = torch.tensor([-1])
+        problem = None
         if self.is_main and self.cfg.run.resume:
-            path = checkpoint.find_latest(self.ckpt_root, checkpoint.fingerprint(self.model), warn=log.warning)
-            if path is None:
-                log.warning("run.resume=true but %s holds no complete checkpoint; starting from model.path", self.ckpt_root)
-            else:
+            skipped: list[str] = []
+            path = checkpoint.find_latest(self.ckpt_root, checkpoint.fingerprint(self.model), warn=skipped.append)
+            for line in skipped:
+                log.warning("%s", line)
+            if path is not None:
                 step[0] = int(os.path.basename(path).split("_")[1])
+            elif skipped:  # starting over would overwrite them: an operator must look first
+                problem = StartError(f"run.resume=true but no checkpoint in {self.ckpt_root} is usable "
+                                     f"({'; '.join(skipped)}); nothing was changed")
+            else:
+                log.warning("run.resume=true but %s holds no checkpoint; starting from model.path", self.ckpt_root)
+        self._all_started(problem)
         dist.broadcast(step, src=0)
         if step.item() >= 0:
             path = os.path.join(self.ckpt_root, f"step_{step.item()}")
@@ -279,9 +294,10 @@ class Learner:
                 log.info("resumed from %s: step %d, version %d", path, self.progress.step, self.progress.version)
         if self.is_main:
             cfg = self.cfg
+            # a fresh start drops every old row (-1): only a start that failed before its first step leaves any
             self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard, wandb_project=cfg.log.wandb_project,
                                          run_name=cfg.run.name, config=OmegaConf.to_container(cfg, resolve=True),
-                                         resume_step=self.progress.step if cfg.run.resume else None)
+                                         resume_step=self.progress.step if cfg.run.resume else -1)
             self.sender.version = self.progress.version
             self.sender.start()
         self._push(publish=self.progress.version > 0)
@@ -332,7 +348,9 @@ class Learner:
         stale = torch.tensor([self.progress.version - min_version(g) for g in groups], dtype=torch.float64)
         lengths = torch.tensor([len(s.token_ids) for g in groups for s in g.samples], dtype=torch.float64)
         statuses = Counter(str(s.reward_details.get("status", "ok")) for g in groups for s in g.samples)
+        with_signal = sum(len({s.reward for s in g.samples}) > 1 for g in groups)  # all-equal groups: advantage 0
         info = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std(unbiased=False).item(),
+                "reward/groups_with_signal": with_signal,
                 "staleness/mean": stale.mean().item(), "staleness/max": stale.max().item(),
                 "rollout/response_len_mean": lengths.mean().item(), "time/wait_s": waited_s,
                 "buffer/size": len(self.buffer.groups), "buffer/received": self.buffer.received,
@@ -538,6 +556,7 @@ class Learner:
     def _push(self, publish: bool = True) -> dict:
         """Collective: gather full weights to rank 0, quantize, publish (publish=False: only remember the codes)."""
         started = time.perf_counter()
+        self._require_finite()
         state = checkpoint.full_state_dict(self.model)
         if not self.is_main:
             return {}
@@ -556,6 +575,23 @@ class Learner:
         return {"sync/seconds": time.perf_counter() - started, "sync/bytes": stats.bytes,
                 "sync/changed_frac": stats.changed_frac, "sync/full_bytes": stats.full_bytes,
                 "sync/delta": int(stats.mode == "delta")}
+
+    def _require_finite(self) -> None:
+        """Collective: one pass over the local shards, so that inf / NaN weights never reach a push, checkpoint or hf/."""
+        bad = torch.tensor([sum(int(not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+                                for p in self.model.parameters())])
+        dist.all_reduce(bad)
+        if not bad.item():
+            return
+        saved = os.path.join(self.ckpt_root, f"step_{self.saved_step}") if self.saved_step else ""
+        if self.progress.step == self.saved_step:  # nothing trained in this life yet: what it loaded is bad
+            line = (f"the weights loaded from {saved or 'model.path=' + repr(self.cfg.model.path)} hold inf or NaN "
+                    f"({bad.item()} tensors); stopped before pushing them")
+        else:
+            line = (f"step {self.progress.step}: {bad.item()} weight tensors hold inf or NaN (train.lr="
+                    f"{self.cfg.train.lr:g}); stopped before pushing, checkpointing or exporting them; last good "
+                    f"checkpoint: {saved or 'none (none was written)'}")
+        raise NonFiniteWeights(line if self.is_main else "")
 
     # -- evaluation (rank 0) --------------------------------------------------------------------------
 

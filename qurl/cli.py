@@ -9,6 +9,11 @@ from omegaconf import DictConfig
 
 from qurl.config import ConfigError, load_config, to_yaml
 
+# Exit codes every qurl process uses. qurl-async restarts a rollout server only for EXIT_FAULT (or a signal).
+EXIT_FAULT = 1  # a fault that can pass: a crash, a timeout; resume or restart
+EXIT_INPUT = 2  # config, input files or run folder wrong: every try fails the same way until an operator fixes it
+EXIT_DIVERGED = 3  # the weights became non-finite: nothing after the last good checkpoint was pushed or written
+
 
 def parse(prog: str, argv: Optional[list[str]] = None) -> DictConfig:
     """Load and validate the config, or exit 2 with one line naming the key."""
@@ -21,7 +26,7 @@ def parse(prog: str, argv: Optional[list[str]] = None) -> DictConfig:
         cfg = load_config(args.config, args.overrides, check_paths=not args.print_config)
     except ConfigError as exc:
         print(f"{prog}: config error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_INPUT) from None
     if args.print_config:
         print(to_yaml(cfg), end="")
         raise SystemExit(0)

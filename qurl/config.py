@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -281,6 +283,9 @@ def _omegaconf_error(exc: OmegaConfBaseException, source: str) -> ConfigError:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if isinstance(exc, ConfigKeyError):
         return ConfigError(f"{source}: unknown key '{key}'")
+    if "is not a ListConfig" in text:  # a bare string where the schema has a list
+        example = getattr(exc, "value", None) or "..."
+        return ConfigError(f"{source}: '{key}' must be a list, e.g. {key}=[{example}]")
     return ConfigError(f"{source}: bad value for '{key}': {text}")
 
 
@@ -292,7 +297,11 @@ def load_config(path: Optional[str] = None, overrides: list[str] = (), check_pat
             raise ConfigError(f"--config: no such file '{path}'")
         try:
             raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-        except Exception as exc:  # yaml errors are not OmegaConf errors
+        except yaml.MarkedYAMLError as exc:  # yaml errors are not OmegaConf errors
+            mark = exc.problem_mark or exc.context_mark
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+            raise ConfigError(f"{where}: not valid YAML: {exc.problem or exc.context}") from None
+        except (yaml.YAMLError, OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
         if raw is None:
             raw = {}
@@ -316,6 +325,7 @@ def load_config(path: Optional[str] = None, overrides: list[str] = (), check_pat
 
 def validate(cfg: DictConfig, check_paths: bool = True) -> None:
     """Check choices, bounds and cross-field rules; raise ConfigError naming the first bad key."""
+    _check_finite(cfg)
     for key, allowed in CHOICES.items():
         value = get(cfg, key)
         if value not in allowed:
@@ -358,6 +368,16 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
     _validate_sync(cfg)
     if check_paths:
         _validate_paths(cfg)
+
+
+def _check_finite(cfg: Any, prefix: str = "") -> None:
+    """Every float key must be finite: inf / nan (which YAML and overrides accept) would train NaN weights."""
+    for key, value in cfg.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, DictConfig):
+            _check_finite(value, f"{dotted}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{_to_user_key(dotted)}={value!r} is not a finite number")
 
 
 def _validate_transport(cfg: DictConfig) -> None:

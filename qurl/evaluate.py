@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from qurl.config import get
-from qurl.data import PromptDataset
+from qurl.data import DatasetError, PromptDataset
 from qurl.rewards import RewardPool
 
 
@@ -22,13 +22,28 @@ class EvalSet:
         return len(self.answers)
 
 
-def load_eval_set(cfg: Any, tokenizer: Any, max_prompt_len: Optional[int] = None) -> Optional[EvalSet]:
+def load_prompts(cfg: Any, files: list[str], tokenizer: Any, **options: Any) -> PromptDataset:
+    """The prompts that fit both data.max_prompt_len and the KV cache's room before a full response; when none
+    fits, DatasetError names the key that limits them."""
+    room = get(cfg, "rollout.max_seq_len") - get(cfg, "rollout.sampling.max_new_tokens")
+    limit = get(cfg, "data.max_prompt_len")
+    try:
+        return PromptDataset(files, tokenizer, max_prompt_len=max(1, min(limit, room)),
+                             instruction=get(cfg, "data.instruction"), **options)
+    except DatasetError as exc:
+        if room >= limit:
+            raise
+        raise DatasetError(f"rollout.max_seq_len={get(cfg, 'rollout.max_seq_len')} leaves {max(room, 0)} tokens for a "
+                           f"prompt after rollout.sampling.max_new_tokens={get(cfg, 'rollout.sampling.max_new_tokens')} "
+                           f"(data.max_prompt_len={limit}); raise rollout.max_seq_len ({exc})") from None
+
+
+def load_eval_set(cfg: Any, tokenizer: Any) -> Optional[EvalSet]:
     """The first eval.max_problems prompts of data.eval_files, or None when there are none."""
     files = list(get(cfg, "data.eval_files"))
     if not files:
         return None
-    ds = PromptDataset(files, tokenizer, max_prompt_len=max_prompt_len or get(cfg, "data.max_prompt_len"),
-                       instruction=get(cfg, "data.instruction"), shuffle=False)
+    ds = load_prompts(cfg, files, tokenizer, shuffle=False)
     n = min(len(ds), get(cfg, "eval.max_problems"))
     examples = [ds[i] for i in range(n)]
     return EvalSet([list(e.prompt_ids) for e in examples], [e.answer for e in examples])

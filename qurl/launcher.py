@@ -10,15 +10,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from qurl import books
-from qurl.cli import parse
+from qurl import books, checkpoint_files, preflight, run_folder
+from qurl.checkpoint_files import step_dirs
+from qurl.cli import EXIT_DIVERGED, EXIT_FAULT, EXIT_INPUT, parse
 from qurl.config import ConfigError, get, run_dir, to_yaml
 from qurl.layout import REPLACES_ENV, plan
-from qurl.report import plot_curves, read_metrics, write_summary
+from qurl.metrics import truncate_after
+from qurl.report import NO_SIGNAL_STEPS, no_signal_streak, plot_curves, read_metrics, write_summary
 
 PROG = "qurl-async"
 _PR_SET_PDEATHSIG = 1
@@ -84,6 +86,11 @@ class Child:
             except ProcessLookupError:
                 pass
 
+    def last_line(self) -> str:
+        """The last non-empty line of its log: a child that refuses to run says why there, in one line."""
+        lines = [line for line in self.tail(5).splitlines() if line.strip()]
+        return lines[-1].strip() if lines else "(its log is empty)"
+
     def tail(self, n: int = 15) -> str:
         try:
             with open(self.log_path, "rb") as f:
@@ -120,24 +127,23 @@ def build_children(cfg: DictConfig, config_path: str, out: str, available_gpus: 
 
 
 class Progress:
-    """One tqdm bar fed from metrics.jsonl: step / total, reward, tokens/s, version, staleness."""
+    """One tqdm bar fed from metrics.jsonl: step / total, reward, tokens/s, version, staleness, accuracies."""
 
-    def __init__(self, total: int, metrics_path: str):
+    def __init__(self, total: int, metrics_path: str, start: int = 0):
         from tqdm import tqdm
 
-        self.path, self.offset, self.rows = metrics_path, 0, []
-        self.bar = tqdm(total=total, desc="qurl", unit="step", dynamic_ncols=True)
+        self.path = metrics_path
+        self.bar = tqdm(total=total, initial=start, desc="qurl", unit="step", dynamic_ncols=True)
+        self.no_signal_warned = False
 
     def update(self) -> None:
-        if not os.path.exists(self.path):
-            return
+        """Show the newest training row (eval rows carry no reward) and the newest accuracies."""
         rows = read_metrics(self.path)
-        new = rows[len(self.rows):]
-        self.rows = rows
-        if not new:
+        train = [r for r in rows if "reward/mean" in r]
+        if not train:
             return
-        last = new[-1]
-        self.bar.n = int(last.get("step", self.bar.n))
+        last = train[-1]
+        self.bar.n = max(self.bar.n, int(last["step"]))  # rows are whole steps after the resume point: never backwards
         post = {"reward": last.get("reward/mean"), "tok/s": last.get("rollout/tokens_per_s"),
                 "v": last.get("version"), "stale": last.get("staleness/mean")}
         for key in ("eval/acc_quant", "eval/acc_fp"):
@@ -147,24 +153,54 @@ class Progress:
         self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in post.items()
                               if v is not None}, refresh=False)
         self.bar.refresh()
+        streak = no_signal_streak(rows)
+        if streak >= NO_SIGNAL_STEPS and not self.no_signal_warned:
+            self.no_signal_warned = True
+            self.bar.write(f"{PROG}: WARNING: no reward signal for {streak} steps (every group's samples got the "
+                           "same reward, so every advantage and gradient is 0); check reward.name and the data's "
+                           "answers, or make the task easier or harder")
 
     def close(self) -> None:
         self.bar.close()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Check everything that would fail on every try, claim the run folder, run, report; return the exit code."""
     cfg = parse(PROG, argv)
     out = run_dir(cfg)
-    if os.path.exists(os.path.join(out, "metrics.jsonl")) and not get(cfg, "run.resume"):
-        print(f"{PROG}: {out} already holds a run; pass run.resume=true to continue it, or choose another "
-              f"run.name / run.dir", file=sys.stderr)
-        return 2
     config_path = os.path.join(out, "config.yaml")
     try:
         learner, servers = build_children(cfg, config_path, out, *node_gpus(cfg))
+        data = preflight.check(cfg)
     except ConfigError as exc:
         print(f"{PROG}: config error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
+    try:
+        lock = run_folder.claim(out, PROG)
+    except run_folder.RunFolderBusy as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    try:
+        return _run(cfg, out, config_path, learner, servers, data)
+    finally:
+        lock.release()
+
+
+def _run(cfg: DictConfig, out: str, config_path: str, learner: Child, servers: list[Child], data: dict) -> int:
+    """The run itself, in a folder this launcher owns."""
+    if run_folder.holds_run(out) and not get(cfg, "run.resume"):
+        print(f"{PROG}: {out} already holds a run; pass run.resume=true to continue it, or choose another "
+              f"run.name / run.dir", file=sys.stderr)
+        return EXIT_INPUT
+    notes = _data_notes(data)
+    if get(cfg, "run.resume"):
+        try:
+            resume = resume_point(os.path.join(out, "checkpoints"))
+        except ConfigError as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return EXIT_INPUT
+        notes.update(resume)
+        truncate_after(os.path.join(out, "metrics.jsonl"), resume["resume/step"])
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     resolve_endpoints(cfg)
     cfg.run.dir = out
@@ -185,7 +221,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for s in servers:
         s.start()
     _write_pids(out, [learner, *servers])
-    progress = Progress(cfg.train.steps, os.path.join(out, "metrics.jsonl"))
+    progress = Progress(cfg.train.steps, os.path.join(out, "metrics.jsonl"), notes.get("resume/step", 0))
     code = 0
     try:
         code = _supervise(cfg, learner, servers, progress, stop)
@@ -195,10 +231,39 @@ def main(argv: Optional[list[str]] = None) -> int:
     wall = time.time() - started
     ledger = books.close_run(out, learner_ended_cleanly=learner.poll() == 0)
     summary = write_summary(out, config_yaml, wall, {"restarts": {s.name: s.restarts for s in servers},
-                                                     "exit_code": code, "books": ledger})
+                                                     "exit_code": code, "books": ledger, **notes})
     plot_curves(out)
-    _print_summary(summary, out, code, config_path)
+    _print_summary(summary, out, code)
     return code
+
+
+def resume_point(root: str) -> dict[str, Any]:
+    """Where run.resume=true continues, said on the console; ConfigError (one line) when checkpoints exist and none is intact."""
+    skipped = []
+    for step, path in step_dirs(root):
+        why, _ = checkpoint_files.problem(path)
+        if not why:
+            for line in skipped:
+                print(f"{PROG}: skipping checkpoint {line}", file=sys.stderr)
+            print(f"{PROG}: resuming from {path}", file=sys.stderr)
+            return {"resume/step": step, "resume/from": path, "resume/skipped": skipped}
+        skipped.append(f"{os.path.basename(path)}: {why}")
+    if skipped:
+        raise ConfigError(f"run.resume=true but no checkpoint in {root} is usable ({'; '.join(skipped)}); "
+                          "nothing was changed")
+    print(f"{PROG}: run.resume=true but {root} holds no checkpoint; starting from model.path (step 0)", file=sys.stderr)
+    return {"resume/step": 0, "resume/from": None, "resume/skipped": []}
+
+
+def _data_notes(data: dict) -> dict[str, Any]:
+    """Skipped data rows: one console line per file set, and data/bad_rows for summary.json."""
+    for key, counts in data.items():
+        if counts["bad_rows"]:
+            print(f"{PROG}: data.{key}_files: skipped {counts['bad_rows']} of {counts['rows']} rows; first: "
+                  f"{counts['first_bad'][0]}", file=sys.stderr)
+    return {"data/bad_rows": data["train"]["bad_rows"],
+            "data/first_bad_rows": data["train"]["first_bad"],
+            **({"data/eval_bad_rows": data["eval"]["bad_rows"]} if "eval" in data else {})}
 
 
 def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: Progress, stop: dict) -> int:
@@ -217,20 +282,28 @@ def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: 
             progress.update()
             if code == 0:
                 return 0
+            if code in (EXIT_INPUT, EXIT_DIVERGED):  # its one line says what to fix; a resume would fail the same way
+                print(f"\n{PROG}: the learner stopped (exit {code}): {learner.last_line()}", file=sys.stderr)
+                return code
             print(f"\n{PROG}: the learner exited with code {code}; last lines of its log:\n{learner.tail()}\n"
                   f"resume with: {PROG} --config <your config> run.resume=true "
                   f"(run.dir={cfg.run.dir})", file=sys.stderr)
-            return 1
+            return EXIT_FAULT
         for s in servers:
             code = s.poll()
             if code is None:
                 continue
+            if code == EXIT_INPUT:  # a start-up error that a restart would repeat
+                print(f"\n{PROG}: {s.name} cannot start (exit {code}): {s.last_line()}", file=sys.stderr)
+                learner.signal(signal.SIGTERM)
+                _wait(learner, timeout=120)
+                return EXIT_INPUT
             if s.restarts >= max_restarts:
                 print(f"\n{PROG}: {s.name} exited with code {code} and run.max_restarts={max_restarts} is used "
                       f"up; last lines of its log:\n{s.tail()}", file=sys.stderr)
                 learner.signal(signal.SIGTERM)
                 _wait(learner, timeout=120)
-                return 1
+                return EXIT_FAULT
             s.restarts += 1
             print(f"\n{PROG}: {s.name} exited with code {code}; restarting it ({s.restarts}/{max_restarts})",
                   file=sys.stderr)
@@ -266,14 +339,25 @@ def _shutdown(learner: Child, servers: list[Child]) -> None:
             child.log_file.close()
 
 
-def _print_summary(summary: dict, out: str, code: int, config_path: str) -> None:
-    acc = {k: summary.get(f"eval/acc_quant/{k}") for k in ("first", "final")}
+def _print_summary(summary: dict, out: str, code: int) -> None:
     lines = [f"{PROG}: {'finished' if code == 0 else 'FAILED'} after {summary['steps']} steps "
              f"in {summary['wall_s']:.0f} s"]
-    if acc["first"] is not None and acc["final"] is not None:
-        lines.append(f"  held-out accuracy (quantized engine): {acc['first']:.3f} -> {acc['final']:.3f}")
+    first, last = summary.get("eval/acc_quant/first"), summary.get("eval/acc_quant/last")
+    if first is not None:
+        version = summary["eval/acc_quant/last_version"]
+        change = f" -> {last:.3f} (version {version})" if version else ""
+        unfinished = "" if summary["eval/acc_quant/final"] is not None else (
+            f"; the final weights (version {summary['version']}) were not evaluated")
+        lines.append(f"  held-out accuracy (quantized engine): {first:.3f}{change}{unfinished}")
+    if summary.get("reward/no_signal_steps", 0) >= NO_SIGNAL_STEPS:
+        lines.append(f"  WARNING: {summary['reward/no_signal_steps']} steps in a row had no reward signal "
+                     "(every group all-equal)")
+    if summary.get("data/bad_rows"):
+        lines.append(f"  data: {summary['data/bad_rows']} bad rows skipped (summary.json data/first_bad_rows)")
     b = summary["books"]
     lines.append(f"  books: {b['generated']} groups generated, {b['used']} used, {b['dropped_stale']} dropped stale; "
                  + ("balanced" if b["balanced"] else "DO NOT BALANCE: " + "; ".join(b["problems"])))
-    lines.append(f"  outputs: {out}/summary.json, {out}/curves.png, {out}/metrics.jsonl, {out}/checkpoints/")
+    written = [name for name in ("summary.json", "curves.png", "metrics.jsonl", "checkpoints/", "hf/")
+               if os.path.exists(os.path.join(out, name.rstrip("/")))]
+    lines.append(f"  outputs: {', '.join(f'{out}/{name}' for name in written)}")
     print("\n".join(lines), file=sys.stderr)

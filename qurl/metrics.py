@@ -27,6 +27,25 @@ def _json_value(value: Any) -> Any:
     return value
 
 
+def truncate_after(path: str, step: int) -> None:
+    """Keep the rows up to `step` (and drop a torn last line), atomically."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Appends one JSON line per step (flushed, so a killed run keeps its rows) and mirrors it to TensorBoard/wandb."""
 
@@ -36,7 +55,7 @@ class MetricsLogger:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         if resume_step is not None:
-            self._truncate_after(resume_step)
+            truncate_after(self.path, resume_step)
         self._file = open(self.path, "a")
         self._tb = None
         if tensorboard:
@@ -52,24 +71,6 @@ class MetricsLogger:
                 log.warning("log.wandb_project=%s but wandb is not installed; logging to files only", wandb_project)
             else:
                 self._wandb = wandb.init(project=wandb_project, name=run_name or None, config=config, resume="allow")
-
-    def _truncate_after(self, step: int) -> None:
-        """Keep the rows up to `step` (and drop a torn last line), atomically."""
-        if not os.path.exists(self.path):
-            return
-        keep = []
-        with open(self.path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-                    keep.append(line if line.endswith("\n") else line + "\n")
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Write one row; keys are sorted, `step` comes first."""

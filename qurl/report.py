@@ -37,6 +37,20 @@ def _first(rows: list[dict], key: str) -> Optional[float]:
     return values[0] if values else None
 
 
+NO_SIGNAL_STEPS = 10  # this many steps in a row with every group's rewards all equal: warn, nothing is learned
+
+
+def no_signal_streak(rows: list[dict[str, Any]]) -> int:
+    """The longest run of consecutive training steps in which no group had two different rewards."""
+    longest = current = 0
+    for r in rows:
+        if "reward/groups_with_signal" not in r:
+            continue
+        current = current + 1 if r["reward/groups_with_signal"] == 0 else 0
+        longest = max(longest, current)
+    return longest
+
+
 def write_summary(run_dir: str, config_yaml: str, wall_s: float, extra: Optional[dict] = None) -> dict:
     """Write summary.json: final and best reward and accuracy, totals, wall time, config hash."""
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
@@ -49,9 +63,15 @@ def write_summary(run_dir: str, config_yaml: str, wall_s: float, extra: Optional
         "reward/best": _best(rows, "reward/mean"),
     }
     for key in ("eval/acc_fp", "eval/acc_quant"):
+        evals = [r for r in rows if isinstance(r.get(key), (int, float))]
+        last_version = evals[-1].get("eval/version") if evals else None
         summary[f"{key}/first"] = _first(rows, key)
-        summary[f"{key}/final"] = _last(rows, key)
+        summary[f"{key}/last"] = _last(rows, key)
+        summary[f"{key}/last_version"] = last_version
+        # final: of the final weights; a run stopped early (Ctrl-C) has none, rather than its first eval's
+        summary[f"{key}/final"] = summary[f"{key}/last"] if evals and last_version == summary["version"] else None
         summary[f"{key}/best"] = _best(rows, key)
+    summary["reward/no_signal_steps"] = no_signal_streak(rows)
     tokens = sum(r.get("rollout/tokens", 0) for r in rows)
     summary["totals"] = {
         "response_tokens": tokens,

@@ -13,10 +13,10 @@ import zmq
 from omegaconf import DictConfig
 
 from qurl import transport
-from qurl.cli import parse
+from qurl.cli import EXIT_INPUT, parse
 from qurl.config import get
-from qurl.data import DatasetError, PromptDataset
-from qurl.evaluate import load_eval_set
+from qurl.data import DatasetError
+from qurl.evaluate import load_eval_set, load_prompts
 from qurl.layout import REPLACES_ENV
 from qurl.quant import scheme_for
 from qurl.rewards import RewardError, RewardPool
@@ -100,14 +100,11 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
     check_vocab(len(tokenizer), model_config.vocab_size, path)
     check_context(get(cfg, "rollout.max_seq_len"), model_config, path)
     # a prompt must leave room in the KV cache for a full response
-    room = get(cfg, "rollout.max_seq_len") - get(cfg, "rollout.sampling.max_new_tokens")
-    if room < 1:
+    if get(cfg, "rollout.max_seq_len") <= get(cfg, "rollout.sampling.max_new_tokens"):
         raise ValueError(f"rollout.max_seq_len={get(cfg, 'rollout.max_seq_len')} leaves no room for a prompt "
                          f"before rollout.sampling.max_new_tokens={get(cfg, 'rollout.sampling.max_new_tokens')}")
-    max_prompt_len = min(get(cfg, "data.max_prompt_len"), room)
-    dataset = PromptDataset(list(get(cfg, "data.train_files")), tokenizer, max_prompt_len=max_prompt_len,
-                            instruction=get(cfg, "data.instruction"), seed=get(cfg, "run.seed") + DATA_SEED_STRIDE * replica,
-                            shuffle=get(cfg, "data.shuffle"))
+    dataset = load_prompts(cfg, list(get(cfg, "data.train_files")), tokenizer,
+                           seed=get(cfg, "run.seed") + DATA_SEED_STRIDE * replica, shuffle=get(cfg, "data.shuffle"))
     scheme = scheme_for(get(cfg, "rollout.quant"), get(cfg, "quant.fp8_granularity"))
     options = {}
     if get(cfg, "rollout.engine") == "sglang":
@@ -131,7 +128,7 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
                        pool=pool, sockets=sockets, secret=get(cfg, "transport.secret").encode() or None,
                        admission=Admission(),
                        stop_ids=stop_token_ids(tokenizer, path),
-                       eval_set=load_eval_set(cfg, tokenizer, max_prompt_len), replica=replica,
+                       eval_set=load_eval_set(cfg, tokenizer), replica=replica,
                        replaces_pid=predecessor_pid())
     cleanup.callback(loop.close)
     log.info("ready: engine %s quant %s, %d prompts, pushing to %s", get(cfg, "rollout.engine"), scheme,
@@ -144,12 +141,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     problem = _auto_endpoint(cfg)
     if problem:
         print(f"{PROG}: {problem}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
     try:
         replica = replica_index()
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
     server_id = f"rollout-{replica}-{os.getpid()}"
     logging.basicConfig(level=get(cfg, "log.level").upper(), stream=sys.stderr,
                         format=f"%(asctime)s {server_id} %(levelname)s %(message)s")
@@ -167,7 +164,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             loop = build(cfg, server_id, cleanup, replica)
         except (DatasetError, RewardError, ValueError, OSError) as exc:
             print(f"{PROG}: {' '.join(str(exc).split())}", file=sys.stderr)
-            return 1
+            return EXIT_INPUT  # bad data, reward module, model folder: a restart would fail the same way
         loop.run(stop)
         log.info("stopping on signal %s", caught[0] if caught else "?")
     log.info("stopped: %s", loop.counters)

@@ -47,3 +47,8 @@ def flaky(response: str, answer: str) -> float:
     if key == 4:
         raise ValueError("verifier exploded")
     return arith_reward(response, answer)
+
+
+def constant(response: str, answer: str) -> float:
+    """A reward that carries no signal: every sample of every group scores the same."""
+    return 0.0

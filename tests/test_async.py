@@ -135,6 +135,9 @@ def test_sigint_is_a_clean_stop_and_resume_finishes(demo_dir, tmp_path):
     assert not descendants_alive(proc.pid)
     steps = sorted(int(d.split("_")[1]) for d in os.listdir(run_dir / "checkpoints") if d.startswith("step_"))
     assert steps and steps[-1] >= 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval/acc_quant/first"] is not None and summary["eval/acc_quant/final"] is None, summary
+    assert "were not evaluated" in out, out  # the step-0 accuracy is not reported as the final one
     code, out = finish(start(demo_dir, run_dir, steps[-1] + 2, "run.resume=true"))
     assert code == 0, out
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss/policy" in r]

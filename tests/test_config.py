@@ -67,6 +67,11 @@ def test_overrides_apply_and_async_is_spelled_async():
     ("train.mini_batches=64", "train.mini_batches"),
     ("sync.full_every=0", "sync.full_every"),
     ("rollout.engine=sglang", "rollout.dtype"),  # the demo's float32 with a quantized SGLang engine
+    ("train.lr=inf", "train.lr"),
+    ("train.lr=nan", "train.lr"),
+    ("algo.drift_kl_threshold=inf", "algo.drift_kl_threshold"),
+    ("rollout.mem_fraction=nan", "rollout.mem_fraction"),
+    ("data.train_files=a.jsonl", "data.train_files"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:

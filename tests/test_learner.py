@@ -314,7 +314,7 @@ def test_resume_continues_exactly(tmp_path, demo_dir, batches, one_rank):
     # a fresh start into a folder that holds a run would mix two runs: refused with one line
     again = subprocess.run([sys.executable, "-m", "learner.main", "--config", config], cwd=ROOT,
                            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert again.returncode == 1 and again.stderr.strip().splitlines()[-1].endswith(
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].endswith(  # EXIT_INPUT: not restarted
         "already holds a run; pass run.resume=true to continue it, or choose another run.dir")
 
 

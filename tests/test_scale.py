@@ -133,7 +133,7 @@ def _train(demo_dir, run_dir, steps, two_nodes: bool) -> dict[str, torch.Tensor]
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss/policy" in r]
     assert [r["staleness/max"] for r in rows] == [0] * steps  # every batch on-policy: no group dropped, none raced
     manifest = json.loads((run_dir / "checkpoints" / f"step_{steps}" / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and manifest["files"]["rng_rank1.pt"] > 0  # rank 0 wrote rank 1's RNG
+    assert manifest["world_size"] == 2 and manifest["files"]["rng_rank1.pt"]["size"] > 0  # rank 0 wrote rank 1's RNG
     return load_file(run_dir / "hf" / "model.safetensors")
 
 
