@@ -19,7 +19,7 @@ from qurl.protocol import Status, WeightRef
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSCALER = os.path.join(ROOT, "configs", "deepscaler-1.5b-int8.yaml")
 DAPO = os.path.join(ROOT, "configs", "dapo-7b-fp8.yaml")
-GPU_SGLANG = ["rollout.engine=sglang", "cluster.learner_ranks=4", "cluster.learner_gpus=[4,5,6,7]",
+GPU_SGLANG = ["rollout.engine=sglang", "rollout.dtype=bfloat16", "cluster.learner_ranks=4", "cluster.learner_gpus=[4,5,6,7]",
               "cluster.rollout_gpus=[0,1,2,3]", "cluster.rollout_servers=4", "rollout.quant=fp8"]
 
 
@@ -41,7 +41,8 @@ def test_zmq_is_the_default_and_the_only_transport_on_cpu():
     assert cfg().sync.transport == "zmq"
     for kind in ("cuda-ipc", "nccl"):
         assert "needs rollout.engine=sglang" in error(f"sync.transport={kind}")
-        assert "on CPU use sync.transport=zmq" in error(f"sync.transport={kind}", "rollout.engine=sglang")
+        assert "on CPU use sync.transport=zmq" in error(f"sync.transport={kind}", "rollout.engine=sglang",
+                                                        "rollout.dtype=bfloat16")
     assert "choose one of: zmq, cuda-ipc, nccl" in error("sync.transport=gloo")
 
 
