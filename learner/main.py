@@ -153,16 +153,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{PROG}: config error: {problem}", file=sys.stderr)
         return EXIT_INPUT
     if _under_launcher():
-        return _run_rank(cfg)
+        _exit_now(_run_rank(cfg))
     if cfg.cluster.learner_ranks == 1:
         store = _init_file()
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", **{INIT_ENV: f"file://{store}"})
         try:
-            return _run_rank(cfg)
+            code = _run_rank(cfg)
         finally:
             if os.path.exists(store):
                 os.remove(store)
+        _exit_now(code)
     return _spawn(cfg, argv)
+
+
+def _exit_now(code: int) -> None:
+    """Leave without interpreter teardown: a gloo thread still joinable there aborts the process ("terminate called
+    without an active exception") after the rank has finished, checkpointed and closed everything it owns."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
