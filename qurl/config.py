@@ -41,7 +41,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "math"  # math | arith | package.module:function
+    name: str = "math"  # math | arith | gsm8k | package.module:function
     timeout_s: float = 10.0
     workers: int = 2
 
@@ -346,8 +346,8 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
         raise ConfigError(f"quant.weight_bits={bits!r} is not allowed; use 8, or 4..7 with rollout.quant=int8 and "
                           "rollout.engine=torch (a mismatch study knob)")
     name = get(cfg, "reward.name")
-    if name not in ("math", "arith") and not re.fullmatch(r"[\w.]+:\w+", name):
-        raise ConfigError(f"reward.name={name!r} is not allowed; use math, arith or package.module:function")
+    if name not in ("math", "arith", "gsm8k") and not re.fullmatch(r"[\w.]+:\w+", name):
+        raise ConfigError(f"reward.name={name!r} is not allowed; use math, arith, gsm8k or package.module:function")
     _validate_transport(cfg)
     _validate_sync(cfg)
     if check_paths:
