@@ -4,9 +4,11 @@ Parts (all by default, or a subset with --parts):
 - mismatch: step-0 mismatch of each rollout format against fp32. The format's engine samples responses (T=1) to
   real held-out prompts; transformers in fp32 (what the learner computes) scores the same tokens. Per token
   log_rho = logp_fp32 - logp_format; reports kl_k3 = mean(rho - 1 - log_rho) and kl_k1 (as the learner's
-  mismatch/kl_* metrics), rho_max and rho_min. Formats int8 and fp8 (block 128x128) at s = 1 and with
-  invariant scaling s = 1.5 on q/k/v (the engine then holds the scaled weights; fp32 is unchanged by it).
-- decode: tokens/s of the embedded engine per format on real prompts, fixed decode length (no stop token).
+  mismatch/kl_* metrics), rho_max and rho_min. Formats int8 and fp8 (block 128x128; a quarter of the tokens,
+  it is slow on CPU) at s = 1, and int8 with invariant scaling s = 1.5 on q/k/v (the recipe: the engine then
+  holds the scaled weights; fp32 is unchanged by it).
+- decode: tokens/s of the embedded engine per format on real prompts, fixed decode length (no stop token):
+  prefill seconds (one new token), and decode tokens/s from the rest of the generation.
 - learner: one real qurl-learner (benchmarks/learner_step.py's harness, synthetic groups of the recipe's shape)
   with train.precision fp32 and bf16 (FSDP2 mixed precision).
 - sync: int8 codes changed per push after AdamW steps at the recipe's learning rate, s = 1 and 1.5
@@ -65,46 +67,50 @@ def scaled_copy(model: str, path: str, s: float) -> str:
 def mismatch_rows(model: str, prompts: list[list[int]], new_tokens: int, tmp: str) -> list[dict]:
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     rows = []
-    for s in (1.0, 1.5):
+    for quant, s in (("int8", 1.0), ("fp8", 1.0), ("int8", 1.5)):
         path = model if s == 1.0 else scaled_copy(model, os.path.join(tmp, f"s{s}"), s)
-        for quant in ("int8", "fp8"):
-            engine = load_engine(path, quant=quant, max_batch=len(prompts), max_seq_len=512)
-            reqs = [GenRequest(p, max_new_tokens=new_tokens, temperature=1.0, seed=i, stop_token_ids=[2])
-                    for i, p in enumerate(prompts)]
-            log_rho = []
-            for p, res in zip(prompts, engine.generate(reqs)):
-                sample = res.samples[0]
-                logits = hf(torch.tensor([p + sample.token_ids])).logits[0, len(p) - 1:-1]
-                fp = torch.log_softmax(logits, -1).gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
-                log_rho.append(fp - torch.tensor(sample.logprobs))
-            lr = torch.cat(log_rho).double()
-            rho = lr.exp()
-            rows.append({"part": "mismatch", "quant": quant, "s": s, "reference": "transformers fp32",
-                         "prompts": len(prompts), "tokens": lr.numel(), "temperature": 1.0,
-                         "kl_k3": (rho - 1 - lr).mean().item(), "kl_k1": (-lr).mean().item(),
-                         "rho_max": rho.max().item(), "rho_min": rho.min().item(),
-                         "abs_log_rho_mean": lr.abs().mean().item()})
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        engine = load_engine(path, quant=quant, max_batch=len(prompts), max_seq_len=512)
+        tokens = new_tokens if quant != "fp8" else max(2, new_tokens // 4)  # fp8 on CPU is a correctness path
+        reqs = [GenRequest(p, max_new_tokens=tokens, temperature=1.0, seed=i, stop_token_ids=[2])
+                for i, p in enumerate(prompts)]
+        log_rho = []
+        for p, res in zip(prompts, engine.generate(reqs)):
+            sample = res.samples[0]
+            logits = hf(torch.tensor([p + sample.token_ids])).logits[0, len(p) - 1:-1]
+            fp = torch.log_softmax(logits, -1).gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+            log_rho.append(fp - torch.tensor(sample.logprobs))
+        lr = torch.cat(log_rho).double()
+        rho = lr.exp()
+        rows.append({"part": "mismatch", "quant": quant, "s": s, "reference": "transformers fp32",
+                     "prompts": len(prompts), "tokens": lr.numel(), "temperature": 1.0,
+                     "kl_k3": (rho - 1 - lr).mean().item(), "kl_k1": (-lr).mean().item(),
+                     "rho_max": rho.max().item(), "rho_min": rho.min().item(),
+                     "abs_log_rho_mean": lr.abs().mean().item()})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
 def decode_rows(model: str, prompts: list[list[int]], new_tokens: int, repeats: int) -> list[dict]:
+    """Prefill alone (1 new token) and the whole generation; decode tokens/s is the difference's rate."""
     rows = []
     for name, (quant, dtype) in DECODE_FORMATS.items():
         engine = load_engine(model, quant=quant, dtype=dtype, max_batch=len(prompts), max_seq_len=512)
         tokens = new_tokens if quant != "fp8" else max(2, new_tokens // 8)  # fp8 on CPU is a correctness path
-        reqs = [GenRequest(p, max_new_tokens=tokens, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
         engine.generate([GenRequest(prompts[0], max_new_tokens=2)])  # warm-up
-        times = []
-        for _ in range(repeats):
+
+        def timed(n: int) -> float:
+            reqs = [GenRequest(p, max_new_tokens=n, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
             t = time.perf_counter()
             engine.generate(reqs)
-            times.append(time.perf_counter() - t)
-        sec = statistics.median(times)
+            return time.perf_counter() - t
+
+        prefill = statistics.median(timed(1) for _ in range(repeats))
+        whole = statistics.median(timed(tokens) for _ in range(repeats))
         rows.append({"part": "decode", "config": name, "quant": quant, "model_dtype": dtype, "batch": len(prompts),
                      "prompt_len_mean": statistics.mean(map(len, prompts)), "new_tokens": tokens,
-                     "seconds": round(sec, 3), "tokens_per_s": round(len(prompts) * tokens / sec, 1),
-                     "repeats": repeats})
+                     "prefill_s": round(prefill, 3), "seconds": round(whole, 3),
+                     "decode_tokens_per_s": round(len(prompts) * (tokens - 1) / max(whole - prefill, 1e-9), 1),
+                     "tokens_per_s": round(len(prompts) * tokens / whole, 1), "repeats": repeats})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
