@@ -90,10 +90,11 @@ def mismatch_rows(model: str, prompts: list[list[int]], new_tokens: int, tmp: st
     return rows
 
 
-def decode_rows(model: str, prompts: list[list[int]], new_tokens: int, repeats: int) -> list[dict]:
+def decode_rows(model: str, prompts: list[list[int]], new_tokens: int, repeats: int, formats: list[str]) -> list[dict]:
     """Prefill alone (1 new token) and the whole generation; decode tokens/s is the difference's rate."""
     rows = []
-    for name, (quant, dtype) in DECODE_FORMATS.items():
+    for name in formats:
+        quant, dtype = DECODE_FORMATS[name]
         engine = load_engine(model, quant=quant, dtype=dtype, max_batch=len(prompts), max_seq_len=512)
         tokens = new_tokens if quant != "fp8" else max(2, new_tokens // 8)  # fp8 on CPU is a correctness path
         engine.generate([GenRequest(prompts[0], max_new_tokens=2)])  # warm-up
@@ -109,7 +110,9 @@ def decode_rows(model: str, prompts: list[list[int]], new_tokens: int, repeats: 
         rows.append({"part": "decode", "config": name, "quant": quant, "model_dtype": dtype, "batch": len(prompts),
                      "prompt_len_mean": statistics.mean(map(len, prompts)), "new_tokens": tokens,
                      "prefill_s": round(prefill, 3), "seconds": round(whole, 3),
-                     "decode_tokens_per_s": round(len(prompts) * (tokens - 1) / max(whole - prefill, 1e-9), 1),
+                     # None when load noise makes the whole generation look no longer than its prefill
+                     "decode_tokens_per_s": (round(len(prompts) * (tokens - 1) / (whole - prefill), 1)
+                                             if whole > prefill else None),
                      "tokens_per_s": round(len(prompts) * tokens / whole, 1), "repeats": repeats})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for mismatch and decode")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="decode repeats (median)")
+    ap.add_argument("--formats", default=",".join(DECODE_FORMATS), help="decode formats (comma-separated)")
     ap.add_argument("--steps", type=int, default=2, help="measured learner steps per precision")
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -165,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in parts if p not in PARTS]
     if bad:
         ap.error(f"--parts: unknown part {bad[0]!r}; allowed: {', '.join(PARTS)}")
+    bad = [f for f in args.formats.split(",") if f not in DECODE_FORMATS]
+    if bad:
+        ap.error(f"--formats: unknown format {bad[0]!r}; allowed: {', '.join(DECODE_FORMATS)}")
     torch.set_num_threads(args.threads)
     model, gsm = real_paths()
     prompts = real_prompts(model, gsm, args.prompts)
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += mismatch_rows(model, prompts, args.new_tokens, tmp)
         if "decode" in parts:
             with torch.inference_mode():
-                rows += decode_rows(model, prompts, args.new_tokens, args.repeats)
+                rows += decode_rows(model, prompts, args.new_tokens, args.repeats, args.formats.split(","))
         if "learner" in parts:
             rows += learner_rows(model, args.steps, args.threads, tmp)
         if "sync" in parts:
