@@ -2,12 +2,17 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-slow test-all test-sglang
+.PHONY: demo real test test-slow test-all test-sglang
 
 demo:
 	@bash scripts/setup.sh
 	$(BIN)/qurl-prepare-demo
 	$(BIN)/qurl-async --config configs/demo-cpu.yaml run.name=demo-cpu-$$(date +%Y%m%d-%H%M%S)
+
+real:  # the real track: SmolLM2-135M-Instruct learns GSM-Symbolic math on CPU (README)
+	@bash scripts/setup.sh real
+	$(BIN)/qurl-prepare-real
+	$(BIN)/qurl-async --config configs/smollm2-gsm-cpu.yaml run.name=smollm2-gsm-cpu-$$(date +%Y%m%d-%H%M%S)
 
 test:
 	@bash scripts/setup.sh test

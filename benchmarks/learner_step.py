@@ -81,18 +81,19 @@ def groups(n: int, samples: int, prompt_len: int, response_len: int, vocab: int,
     return out
 
 
-def run_learner(tmp: str, model: str, ranks: int, quant: str, steps: int, workload: tuple, threads: int) -> list[dict]:
-    """One learner run fed with steps batches; its metrics.jsonl rows."""
+def run_learner(tmp: str, model: str, ranks: int, quant: str, steps: int, workload: tuple, threads: int,
+                train: dict | None = None) -> list[dict]:
+    """One learner run fed with steps batches; its metrics.jsonl rows (`train`: more train.* keys, e.g. precision)."""
     prompts, samples, prompt_len, response_len = workload
     endpoints = {k: f"tcp://127.0.0.1:{free_port()}" for k in ("trajectories", "weights", "control")}
     data = os.path.join(tmp, "train.jsonl")
     with open(data, "w") as f:
         f.write('{"problem": "1+1", "answer": "2"}\n')
-    run_dir = os.path.join(tmp, f"run-{os.path.basename(model)}-{ranks}-{quant}")
+    run_dir = os.path.join(tmp, f"run-{os.path.basename(model)}-{ranks}-{quant}-{len(os.listdir(tmp))}")
     cfg = {"run": {"dir": run_dir}, "model": {"path": model}, "data": {"train_files": [data]},
            "rollout": {"quant": quant, "n_samples": samples, "sampling": {"max_new_tokens": response_len}},
            "quant": {"invariant_scaling": {"s": 1.5}},
-           "train": {"lr": 1e-5, "batch_prompts": prompts, "steps": steps},
+           "train": {"lr": 1e-5, "batch_prompts": prompts, "steps": steps, **(train or {})},
            "async": {"max_staleness": steps}, "transport": endpoints, "cluster": {"learner_ranks": ranks},
            "checkpoint": {"every": 0, "keep": 1}, "log": {"tensorboard": False, "level": "warning"}}
     config = run_dir + ".yaml"

@@ -43,7 +43,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "math"  # math | arith | package.module:function
+    name: str = "math"  # math | arith | gsm8k | package.module:function
     timeout_s: float = 10.0
     workers: int = 2
 
@@ -362,8 +362,8 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
                           f"{get(cfg, 'rollout.quant')}: SGLang's quantized layers take bfloat16 only; "
                           "set rollout.dtype=bfloat16")
     name = get(cfg, "reward.name")
-    if name not in ("math", "arith") and not re.fullmatch(r"[\w.]+:\w+", name):
-        raise ConfigError(f"reward.name={name!r} is not allowed; use math, arith or package.module:function")
+    if name not in ("math", "arith", "gsm8k") and not re.fullmatch(r"[\w.]+:\w+", name):
+        raise ConfigError(f"reward.name={name!r} is not allowed; use math, arith, gsm8k or package.module:function")
     _validate_transport(cfg)
     _validate_sync(cfg)
     if check_paths:

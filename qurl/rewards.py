@@ -1,7 +1,13 @@
 """Verifiable rewards, scored in worker processes with a hard per-item timeout.
 
 Built-in reward functions, chosen by name (config `reward.name`):
-- ``math``: math-verify on the last ``\\boxed{...}`` of the response against the gold answer.
+- ``math``: math-verify on the response's final answer against the gold answer. The final answer is
+  the last ``\\boxed{...}``, else the last ``#### X`` line, else the last "the answer is X".
+- ``gsm8k``: grade-school math with a numeric gold answer. The final answer is, in this order, the
+  last ``#### N``, else the last ``\\boxed{...}``, else the last number anywhere in the response.
+  Thousands separators, currency signs, units and a trailing period are removed and the numbers are
+  compared exactly (``1,234.50`` equals ``1234.5``); a boxed answer that is not a plain number
+  (``\\frac{3}{4}``) goes to math-verify.
 - ``arith``: exact integer match of the response's last line (or its last ``\\boxed{N}``).
 - ``package.module:function``: any ``function(response: str, answer: str) -> float``. It is
   imported and run inside the worker processes, never in the caller, so it may hang, crash or
@@ -26,14 +32,19 @@ import re
 import threading
 import time
 from collections import deque
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 log = logging.getLogger(__name__)
 
-BUILTIN = ("math", "arith")
+BUILTIN = ("math", "arith", "gsm8k")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _INT = re.compile(r"[+-]?\d+")
+_HASHES = re.compile(r"####\s*([^\n]*)")
+_ANSWER_IS = re.compile(r"answer is:?\s*([^\n]*)", re.IGNORECASE)
+# A number as people write it: optional sign and currency, thousands separators, decimals.
+_NUMBER = re.compile(r"-?[$£€¥]?\s*(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?[$£€¥]?\s*\.\d+")
 
 
 class RewardError(RuntimeError):
@@ -69,20 +80,63 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def math_reward(response: str, answer: str) -> float:
-    """1.0 when the last boxed answer of the response is mathematically equal to the gold answer."""
-    pred = last_boxed(response)
-    if pred is None:
-        return 0.0
+def _last_match(pattern: re.Pattern, text: str) -> str | None:
+    found = pattern.findall(text)
+    return found[-1].strip() if found else None
+
+
+def _verify(pred: str, gold: str) -> bool:
+    """math-verify equality of two answers written as LaTeX (without the surrounding box)."""
     from math_verify import parse, verify
 
-    gold = answer.strip()
-    gold = last_boxed(gold) or gold.strip("$")  # gold answers sometimes come boxed or in $...$
     g = parse("\\boxed{" + gold + "}", parsing_timeout=None)
     p = parse("\\boxed{" + pred + "}", parsing_timeout=None)
-    if not g or not p:
+    return bool(g and p and verify(g, p, timeout_seconds=None))
+
+
+def math_reward(response: str, answer: str) -> float:
+    """1.0 when the response's final answer (boxed, else ``#### X``, else "the answer is X") equals the gold answer."""
+    pred = last_boxed(response)
+    if pred is None:
+        pred = _last_match(_HASHES, response) or _last_match(_ANSWER_IS, response)
+        pred = pred.rstrip(".").strip("$ ") if pred else None
+    if not pred:
         return 0.0
-    return 1.0 if verify(g, p, timeout_seconds=None) else 0.0
+    gold = answer.strip()
+    gold = last_boxed(gold) or gold.strip("$")  # gold answers sometimes come boxed or in $...$
+    return 1.0 if _verify(pred, gold) else 0.0
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The first number in text as an exact fraction, ignoring currency, thousands separators and units."""
+    m = _NUMBER.search(text)
+    if m is None:
+        return None
+    digits = re.sub(r"[$£€¥,\s]", "", m.group())
+    return Fraction(digits) if digits not in ("", "-") else None
+
+
+def gsm8k_final_answer(response: str) -> str | None:
+    """The text holding the final answer: last ``#### N``, else last boxed, else the last number in the response."""
+    for candidate in (_last_match(_HASHES, response), last_boxed(response)):
+        if candidate:
+            return candidate
+    numbers = _NUMBER.findall(response)
+    return numbers[-1].strip() if numbers else None
+
+
+def gsm8k_reward(response: str, answer: str) -> float:
+    """1.0 when the response's final number equals the numeric gold answer (math-verify for a non-numeric box)."""
+    gold = parse_number(answer) if _NUMBER.fullmatch(answer.strip()) else None
+    if gold is None:
+        raise ValueError(f"gsm8k reward needs a numeric gold answer, got {answer[:40]!r}")
+    final = gsm8k_final_answer(response)
+    if final is None:
+        return 0.0
+    if "\\" in final or re.search(r"\d\s*/\s*\d", final):  # \frac{3}{4}, 3/4: math-verify decides
+        return 1.0 if _verify(final, answer.strip()) else 0.0
+    got = parse_number(final)
+    return 1.0 if got is not None and got == gold else 0.0
 
 
 def _as_int(text: str) -> int | None:
@@ -109,9 +163,11 @@ def resolve_reward_fn(name: str) -> Callable[[str, str], float]:
         return math_reward
     if name == "arith":
         return arith_reward
+    if name == "gsm8k":
+        return gsm8k_reward
     module, sep, attr = name.partition(":")
     if not sep or not module or not attr:
-        raise RewardError(f"reward.name: unknown reward {name!r}; allowed: math, arith or package.module:function")
+        raise RewardError(f"reward.name: unknown reward {name!r}; allowed: math, arith, gsm8k or package.module:function")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
@@ -139,7 +195,7 @@ def _worker_main(conn: mpc.Connection, lifeline: mpc.Connection, name: str) -> N
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" warning is intended
     try:
         fn = resolve_reward_fn(name)
-        if name == "math":  # the first check in a process takes ~0.2 s (parser warm-up): not on an item's clock
+        if name in ("math", "gsm8k"):  # the first check in a process takes ~0.2 s (parser warm-up): not on an item's clock
             math_reward("\\boxed{\\frac{1}{2}}", "0.5")
     except BaseException as e:  # noqa: BLE001  (report any import failure to the parent)
         _send(conn, ["fatal", f"{type(e).__name__}: {e}"])

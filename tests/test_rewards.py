@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from qurl.rewards import RewardError, RewardPool, RewardResult, arith_reward, last_boxed, math_reward
+from qurl.rewards import (RewardError, RewardPool, RewardResult, arith_reward, gsm8k_final_answer, gsm8k_reward,
+                          last_boxed, math_reward)
 
 TESTS = Path(__file__).parent
 TIMEOUT_S = 1.5
@@ -62,6 +63,9 @@ def test_last_boxed(text: str, boxed: str | None) -> None:
         ("first \\boxed{3}, finally \\boxed{7}", "7"),
         ("\\boxed{7}", "\\boxed{7}"),  # gold given boxed
         ("\\boxed{7}", "$7$"),  # gold given in math mode
+        ("The answer is 72.", "72"),  # no box: "the answer is X"
+        ("48 / 2 = 24 clips in May.\n48 + 24 = 72\n#### 72", "72"),  # no box: the GSM8K "#### X" line
+        ("so the answer is: \\frac{1}{2}", "0.5"),
     ],
 )
 def test_math_equal(response: str, gold: str) -> None:
@@ -71,7 +75,9 @@ def test_math_equal(response: str, gold: str) -> None:
 @pytest.mark.parametrize(
     "response, gold",
     [
-        ("The answer is 42", "42"),  # no boxed answer
+        ("42 is what I get", "42"),  # no boxed answer, no "#### X", no "the answer is"
+        ("The answer is 41.", "42"),
+        ("\\boxed{41}\n#### 42", "42"),  # a box comes before "####" for math
         ("\\boxed{41}", "42"),  # wrong
         ("\\boxed{\\frac{1}{3}}", "0.5"),
         ("\\boxed{42} no wait \\boxed{43}", "42"),  # last boxed wins
@@ -104,6 +110,53 @@ def test_math_not_equal(response: str, gold: str) -> None:
 )
 def test_arith(response: str, gold: str, reward: float) -> None:
     assert arith_reward(response, gold) == reward
+
+
+@pytest.mark.parametrize(
+    "response, gold, reward",
+    [
+        # GSM8K's own solution form, and SmolLM2-135M's real outputs on GSM-Symbolic prompts
+        ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72", "72", 1.0),
+        ("The number of girls in the field is 10 + 4 = 14\n#### 14", "14", 1.0),
+        ("So they have 11168 minutes.\n\n#### 11168\n#### 11168\n#### 111", "11168", 0.0),  # cut mid-number
+        ("#### N = 100\n#### N = 100", "100", 1.0),  # the model copied the N of the instruction
+        ("She spent £12 + £21 + £38 + £6 = £77.\n#### £77", "77", 1.0),  # currency
+        ("#### $1,234.50", "1234.5", 1.0),  # thousands separator and trailing zero
+        ("#### 1,234", "1234", 1.0),
+        ("#### 72 dollars", "72", 1.0),  # units
+        ("#### 12.5 hours.", "12.5", 1.0),
+        ("#### 50%", "50", 1.0),
+        ("#### -5", "-5", 1.0),
+        ("#### 72", "72.0", 1.0),
+        ("#### 8\nThen she buys 9 more.", "8", 1.0),  # "####" wins over a later number
+        ("#### 8\n\\boxed{9}", "9", 0.0),  # "####" wins over a box
+        ("So she pays \\boxed{\\$1,200}.", "1200", 1.0),
+        ("\\boxed{72 \\text{ dollars}}", "72", 1.0),
+        ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),  # not a plain number: math-verify
+        ("#### 3/4", "0.75", 1.0),
+        ("She has 3 + 4 = 7 apples left.", "7", 1.0),  # no marker: the last number
+        ("She has 7 apples, then 3 more.", "7", 0.0),
+        ("The total is 1,000,000.", "1000000", 1.0),
+        ("I do not know.", "7", 0.0),
+        ("#### 71", "72", 0.0),
+        ("#### 7.2", "72", 0.0),
+        ("", "72", 0.0),
+    ],
+)
+def test_gsm8k(response: str, gold: str, reward: float) -> None:
+    assert gsm8k_reward(response, gold) == reward
+
+
+def test_gsm8k_final_answer_order() -> None:
+    assert gsm8k_final_answer("\\boxed{3} then #### 4") == "4"
+    assert gsm8k_final_answer("6 apples and \\boxed{3}, 9") == "3"
+    assert gsm8k_final_answer("6 apples and 9") == "9"
+    assert gsm8k_final_answer("no digits") is None
+
+
+def test_gsm8k_refuses_non_numeric_gold() -> None:
+    with pytest.raises(ValueError, match="numeric gold"):
+        gsm8k_reward("#### 1", "x+1")
 
 
 def test_arith_refuses_non_integer_gold() -> None:

