@@ -1,6 +1,6 @@
 """Admission control: a server's grant rule, and the learner's global budget (learner/budget.py) against many servers."""
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from learner.budget import LIVE_S, SERVER_GONE_S, Budget
@@ -88,8 +88,10 @@ def test_admitting_beyond_the_grant_is_counted():
 @given(staleness=st.integers(0, 3), batch=st.integers(1, 5), n_servers=st.integers(1, 4),
        script=st.lists(st.tuples(st.sampled_from(["beat", "gen", "recv", "drop", "step", "bye", "wait", "kill"]),
                                  st.integers(0, 3)), max_size=120))
+@example(staleness=0, batch=1, n_servers=2, script=[("beat", 0), ("gen", 0), ("wait", 3), ("beat", 1), ("beat", 0)])
 def test_simulated_servers_never_exceed_the_global_bound(staleness, batch, n_servers, script):
     """Greedy servers against a learner that grants, receives, drops, steps, loses and regains servers."""
+    returned = False  # a server presumed dead (silent SERVER_GONE_S) spoke again: its groups count again
     books = Books()
     budget = Budget(staleness, batch, books.snapshot)
     servers = {}  # id -> [Admission, sent, on the wire (ids list length), weights version, alive]
@@ -109,6 +111,7 @@ def test_simulated_servers_never_exceed_the_global_bound(staleness, batch, n_ser
         sid = live[k % len(live)] if live else None
         if action == "beat" and sid:
             s = servers[sid]
+            returned |= sid in budget.expired
             s["weights"] = version if k else s["weights"]  # k = 0: it missed the latest push
             s["adm"].on_reply(budget.grant(sid, version, s["weights"],
                                            {"admitted": s["adm"].admitted, "sent": s["sent"]}, now))
@@ -143,4 +146,7 @@ def test_simulated_servers_never_exceed_the_global_bound(staleness, batch, n_ser
         # the groups accepted or held by live servers fit the bound of the current version
         assert held <= (staleness + version + 1) * batch
     window = budget.take_window(version)
-    assert window.get("admission/min_margin", 0) >= 0 and window["admission/violations"] == 0
+    # the grants' arithmetic stays within L, except after a presumed-dead server came back still holding groups
+    # (learner/budget.py accepts that: they count again); the held groups above never exceed it either way
+    assert returned or window.get("admission/min_margin", 0) >= 0
+    assert window["admission/violations"] == 0
