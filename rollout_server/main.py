@@ -81,9 +81,9 @@ def check_vocab(tokenizer_size: int, vocab_size: int, path: str) -> None:
 def check_context(max_seq_len: int, model_config: Any, path: str) -> None:
     """A context past the model's positions is refused by SGLang at start and untrained for any engine: say so first."""
     positions = model_config.max_position_embeddings
-    factor = (getattr(model_config, "rope_scaling", None) or {}).get("factor", 1.0)
-    if (getattr(model_config, "rope_scaling", None) or {}).get("rope_type", "") in ("yarn", "dynamic", "linear"):
-        positions = int(positions * factor)
+    rope = getattr(model_config, "rope_scaling", None) or {}
+    if rope.get("rope_type", "") in ("yarn", "dynamic", "linear"):  # these stretch the trained positions
+        positions = int(positions * rope.get("factor", 1.0))
     if max_seq_len > positions:
         raise ValueError(f"rollout.max_seq_len={max_seq_len} exceeds the {positions} positions of the model at "
                          f"model.path={path!r} (max_position_embeddings in its config.json); lower rollout.max_seq_len "
