@@ -262,8 +262,10 @@ def test_one_and_two_ranks_take_the_same_step(one_rank, two_ranks, demo_dir):
         torch.testing.assert_close(one[k], two[k], rtol=0, atol=1e-5, msg=k)
     # Adam and clipping hide a gradient off by the rank count; the logged pre-clip norm and loss do not
     row_one, row_two = metrics(one_rank)[0], metrics(two_ranks)[0]
+    # abs 1e-7: the policy loss is a near-zero mean of O(0.1) fp32 terms, and the two-rank sum runs in another
+    # order (a fresh demo model gave -2.63409e-3 vs -2.63406e-3); a factor of the rank count is still far outside
     for key in ("actor/grad_norm", "loss/policy", "loss/kl", "mismatch/kl_k3", "actor/clipfrac", "reward/mean"):
-        assert row_one[key] == pytest.approx(row_two[key], rel=1e-5, abs=1e-9), key
+        assert row_one[key] == pytest.approx(row_two[key], rel=1e-5, abs=1e-7), key
 
 
 def test_resume_continues_exactly(tmp_path, demo_dir, batches, one_rank):
