@@ -61,7 +61,9 @@ def _run_rank(cfg: DictConfig) -> int:
     import torch.distributed as dist
 
     from learner.checkpoint import CheckpointError
-    from learner.trainer import DistEnv, Learner, NonFiniteWeights, StartError
+    from learner.errors import NonFiniteWeights, StartError
+    from learner.policy_step import DistEnv
+    from learner.trainer import Learner
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
