@@ -5,8 +5,8 @@ sglang.Engine (version 0 = the checkpoint, quantized by qurl.quant), generate gr
 greedy logprobs with a teacher-forced transformers forward of the weights the engine should hold, refit to other
 weights (version 1) and compare again, refit back (version 2) and require the version-0 greedy tokens, and refit
 while a request is running (its per-token versions must go 2 -> 3, in order). Then the learner-driven transports
-end to end (learner/push_transport.py in a spawned "learner rank 0" process, a real WeightSender over ZeroMQ, the
-server's rollout_server.weight_refs.apply_ref here): cuda-ipc (every scheme; on one GPU the learner shares the
+end to end (learner/push_transport.py in a spawned "learner rank 0" process, a real WeightSender and ControlPlane
+over ZeroMQ, the server's rollout_server.weight_refs.apply_ref here): cuda-ipc (every scheme; on one GPU the learner shares the
 engine's GPU, i.e. colocated; on CPU the buffers are shared by file descriptor) and nccl (none and fp8-block, with
 2+ GPUs; over gloo on CPU).
 
@@ -80,6 +80,7 @@ def learner_push(kind, endpoint, group_port, weights_path, scheme, version, done
 
     from learner.budget import Budget
     from learner.push_transport import IpcPush, NcclPush
+    from learner.control_plane import ControlPlane
     from learner.weight_sender import WeightSender
     from qurl import transport
 
@@ -91,8 +92,9 @@ def learner_push(kind, endpoint, group_port, weights_path, scheme, version, done
     ctx = zmq.Context()
     pub = transport.bind(ctx, zmq.PUB, endpoint, secret=None, max_bytes=1 << 20, hwm=4)
     router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-    sender = WeightSender(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                          transport.Sender(router, "learner"), scheme, budget=Budget(0, 1, lambda: (0, {})))
+    plane = ControlPlane(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
+                         transport.Sender(router, "learner"), budget=Budget(0, 1, lambda: (0, {})))
+    sender = WeightSender(plane, scheme)
     if kind == "nccl":
         push = NcclPush(sender, scheme, device, f"tcp://127.0.0.1:{group_port}", replicas=1, tp_size=1,
                         bucket_bytes=1 << 20)

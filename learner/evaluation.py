@@ -1,29 +1,32 @@
-"""Held-out evaluation on rank 0 with the full-precision weights (`eval/acc_fp`).
-
-The quantized side (`eval/acc_quant`) is measured by a rollout server with its own engine, on request
-over the control channel (WeightSender.request_eval); both use qurl.evaluate.
+"""Held-out evaluation (rank 0): when to evaluate, `eval/acc_fp` of the full-precision weights here, and
+`eval/acc_quant`, measured by a rollout server with its own engine on request over the control channel
+(ControlPlane.request_eval); both use qurl.evaluate.
 """
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Optional
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from learner.control_plane import ControlPlane
 from learner.model import load_hf
-from qurl.config import get
 from qurl.evaluate import EvalSet, avg_at_k, hf_greedy, load_eval_set
+from qurl.metrics import MetricsLogger
 from qurl.rewards import RewardPool
 
 log = logging.getLogger("learner")
+
+FINAL_EVAL_WAIT_S = 300.0  # how long the last step waits for a rollout server's quantized evaluation
 
 
 class FpEvaluator:
     """Greedy accuracy (avg@k with k=1) of the learner's weights, loaded into an unsharded copy of the model."""
 
     def __init__(self, cfg: Any, eval_set: EvalSet) -> None:
-        path = get(cfg, "model.path")
+        path = cfg.model.path
         self.eval_set = eval_set
         self.model = load_hf(path, torch.device("cpu"))
         self.model.config.use_cache = True
@@ -37,13 +40,13 @@ class FpEvaluator:
             gen_eos = None
         eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
         self.eos_ids = sorted(eos)
-        self.max_new_tokens = get(cfg, "rollout.sampling.max_new_tokens")
-        self.pool = RewardPool(get(cfg, "reward.name"), workers=1, timeout_s=get(cfg, "reward.timeout_s"))
+        self.max_new_tokens = cfg.rollout.sampling.max_new_tokens
+        self.pool = RewardPool(cfg.reward.name, workers=1, timeout_s=cfg.reward.timeout_s)
 
     @classmethod
     def from_config(cls, cfg: Any) -> Optional["FpEvaluator"]:
         """None when the config names no eval files."""
-        tokenizer = AutoTokenizer.from_pretrained(get(cfg, "model.path"))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         eval_set = load_eval_set(cfg, tokenizer)
         return cls(cfg, eval_set) if eval_set is not None else None
 
@@ -58,3 +61,48 @@ class FpEvaluator:
 
     def close(self) -> None:
         self.pool.close()
+
+
+class Evaluation:
+    """eval/acc_fp on rank 0 at the start, every eval.every steps and after the last; eval/acc_quant as it arrives."""
+
+    def __init__(self, evaluator: Optional[FpEvaluator], plane: Optional[ControlPlane], scheme: str, every: int,
+                 steps: int) -> None:
+        self.evaluator, self.plane, self.scheme, self.every, self.steps = evaluator, plane, scheme, every, steps
+
+    def due(self, step: int) -> bool:
+        """At the start, every eval.every steps, and after the last step (never without eval files)."""
+        if self.evaluator is None:
+            return False
+        return step == 0 or step >= self.steps or bool(self.every and step % self.every == 0)
+
+    def run(self, state: dict[str, torch.Tensor], step: int, version: int, metrics: MetricsLogger) -> None:
+        """eval/acc_fp now, on these weights; eval/acc_quant later, from a server's engine at this version."""
+        started = time.perf_counter()
+        acc = self.evaluator.accuracy(state)
+        metrics.log(step, {"eval/acc_fp": acc, "eval/version": version})
+        self.plane.request_eval(version)
+        log.info("eval of version %d (full precision): %.4f on %d prompts in %.1f s", version, acc,
+                 len(self.evaluator.eval_set), time.perf_counter() - started)
+
+    def log_quant(self, step: int, metrics: MetricsLogger) -> list[int]:
+        """Log the rollout servers' evaluations that arrived; return their versions."""
+        versions = []
+        for version, counters in self.plane.take_eval_results():
+            metrics.log(step, {"eval/acc_quant": counters.get("acc"), "eval/version": version})
+            log.info("eval of version %d (rollout engine, %s): %.4f", version, self.scheme, counters.get("acc", 0.0))
+            versions.append(version)
+        return versions
+
+    def wait_for_quant(self, version: int, step: int, metrics: MetricsLogger) -> None:
+        """After the last step: wait (up to FINAL_EVAL_WAIT_S) until a server has evaluated `version` or newer."""
+        deadline = time.monotonic() + FINAL_EVAL_WAIT_S
+        while time.monotonic() < deadline:
+            if any(v >= version for v in self.log_quant(step, metrics)):
+                return
+            time.sleep(0.2)
+        log.warning("no rollout server evaluated version %d within %.0f s", version, FINAL_EVAL_WAIT_S)
+
+    def close(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()

@@ -1,7 +1,6 @@
 """qurl-learner: one process, N local ranks spawned here (cluster.learner_ranks), or the ranks torchrun starts."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -14,12 +13,11 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from qurl.cli import EXIT_DIVERGED, EXIT_INPUT, parse
+from qurl.cli import EXIT_DIVERGED, EXIT_INPUT, die_with_parent, parse
 
 PROG = "qurl-learner"
 INIT_ENV = "QURL_LEARNER_INIT"  # set by _spawn / main for locally started ranks
 log = logging.getLogger("learner")
-_PR_SET_PDEATHSIG = 1
 
 
 def _under_launcher() -> bool:
@@ -63,7 +61,9 @@ def _run_rank(cfg: DictConfig) -> int:
     import torch.distributed as dist
 
     from learner.checkpoint import CheckpointError
-    from learner.trainer import DistEnv, Learner, NonFiniteWeights, StartError
+    from learner.errors import NonFiniteWeights, StartError
+    from learner.policy_step import DistEnv
+    from learner.trainer import Learner
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -100,13 +100,6 @@ def _run_rank(cfg: DictConfig) -> int:
         dist.destroy_process_group()
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 def _spawn(cfg: DictConfig, argv: list[str]) -> int:
     """Start cluster.learner_ranks local ranks of this same command and supervise them."""
     n = cfg.cluster.learner_ranks
@@ -115,8 +108,9 @@ def _spawn(cfg: DictConfig, argv: list[str]) -> int:
     if not cfg.cluster.learner_gpus and "OMP_NUM_THREADS" not in os.environ:
         base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
     # own session: a terminal's Ctrl-C reaches the ranks once, through forward(), not twice
-    procs = [subprocess.Popen([sys.executable, "-m", "learner.main", *argv], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                              preexec_fn=_die_with_parent, start_new_session=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "learner.main", *argv],
+                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                              preexec_fn=die_with_parent, start_new_session=True)
              for r in range(n)]
 
     def forward(signum: int, _frame: object) -> None:

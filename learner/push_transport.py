@@ -1,11 +1,12 @@
-"""How rank 0's weight push reaches the rollout engines (config `sync.transport`).
+"""The publisher's last leg: how rank 0's weight push reaches the rollout engines (config `sync.transport`).
 
 zmq: quantized tensors in a WeightPush over the PUB socket (any engine, CPU or GPU). cuda-ipc (SGLang replicas on
 this node): the buckets live in CUDA buffers on rank 0's GPU, allocated at the first push and rewritten in place,
 and a WeightRef carries per-rank handles (serialize_named of views into them). Two sets alternate and are never
 freed, so torch's IPC refcounts never matter; a set is rewritten only once every live server reports the version it
-holds applied, else that push is skipped. nccl (SGLang replicas on other GPUs): rank 0 and every replica's TP ranks join one process group
-at start; a push sends a WeightRef with the bucket metadata, then broadcasts each bucket flattened.
+holds applied, else that push is skipped. nccl (SGLang replicas on other GPUs): rank 0 and every replica's TP
+ranks join one process group at start; a push sends a WeightRef with the bucket metadata, then broadcasts each
+bucket flattened.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from omegaconf import DictConfig
 
 from learner.weight_sender import PushStats, WeightSender
 from qurl import sglang_payload as payload
-from qurl.config import get
 from qurl.protocol import WeightRef
 
 log = logging.getLogger("learner")
@@ -69,7 +69,7 @@ class IpcPush:
                                                    and self.versions[0] < self.versions[1]) else 1
         held = self.versions[target]
         if held is not None:
-            behind = self.sender.wait_applied(held, self.ack_timeout_s)
+            behind = self.sender.plane.wait_applied(held, self.ack_timeout_s)
             if behind:
                 self.skipped += 1
                 log.warning("cuda-ipc push %d skipped: %s did not report version %d applied within %.0f s and may "
@@ -118,13 +118,13 @@ class NcclPush:
 
 def build(cfg: DictConfig, sender: WeightSender, scheme: str, device: torch.device):
     """The transport sync.transport names; nccl also joins the update group (blocks until the replicas join)."""
-    kind = get(cfg, "sync.transport")
+    kind = cfg.sync.transport
     if kind == "zmq":
         return ZmqPush(sender)
-    tp = get(cfg, "rollout.tp_size")
-    replicas = len(get(cfg, "cluster.rollout_gpus")) // tp
+    tp = cfg.rollout.tp_size
+    replicas = len(cfg.cluster.rollout_gpus) // tp
     if kind == "cuda-ipc":
         return IpcPush(sender, scheme, device, replicas * tp)
-    push = NcclPush(sender, scheme, device, get(cfg, "sync.group_endpoint"), replicas, tp)
+    push = NcclPush(sender, scheme, device, cfg.sync.group_endpoint, replicas, tp)
     push.open()
     return push

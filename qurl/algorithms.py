@@ -3,6 +3,8 @@ KL penalties and the DAPO pieces; formulas and open choices in docs/algorithms.m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 MODES = ("ppo", "decoupled", "tis", "acr")
@@ -87,23 +89,35 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str) -> torch.T
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def _check_loss_args(
-    logp: torch.Tensor,
-    logp_prox: torch.Tensor,
-    logp_behav: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    eps_low: float,
-    eps_high: float,
-    tis_cap: float,
-    agg: str,
-    dual_clip: float | None,
-) -> None:
-    if mode not in MODES:
-        raise ValueError(f"loss mode must be one of {MODES}, got {mode!r}")
-    if agg not in AGGS:
-        raise ValueError(f"loss aggregation must be one of {AGGS}, got {agg!r}")
+@dataclass(frozen=True)
+class LossSpec:
+    """The objective's settings, checked once where they are built (config.algo); policy_loss trusts them."""
+
+    mode: str
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    tis_cap: float = 2.0
+    agg: str = "token-mean"
+    dual_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"loss mode must be one of {MODES}, got {self.mode!r}")
+        if self.agg not in AGGS:
+            raise ValueError(f"loss aggregation must be one of {AGGS}, got {self.agg!r}")
+        if not 0 <= self.eps_low < 1:
+            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
+        if self.eps_high < 0:
+            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
+        if not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+
+
+def _check_shapes(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.Tensor,
+                  mask: torch.Tensor) -> None:
+    """The tensors of one call line up (a mismatch would broadcast silently into a wrong loss)."""
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
     for name, t in (("logp_prox", logp_prox), ("logp_behav", logp_behav), ("mask", mask)):
@@ -111,14 +125,6 @@ def _check_loss_args(
             raise ValueError(f"{name} must have logp's shape {tuple(logp.shape)}, got {tuple(t.shape)}")
     if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"advantages must be [B] or [B, T] = {tuple(logp.shape)}, got {tuple(advantages.shape)}")
-    if not 0 <= eps_low < 1:
-        raise ValueError(f"eps_low must be in [0, 1), got {eps_low}")
-    if eps_high < 0:
-        raise ValueError(f"eps_high must be >= 0, got {eps_high}")
-    if not tis_cap > 0:
-        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be > 1 or None, got {dual_clip}")
 
 
 def policy_loss(
@@ -127,16 +133,12 @@ def policy_loss(
     logp_behav: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    *,
-    mode: str,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    tis_cap: float = 2.0,
-    agg: str = "token-mean",
-    dual_clip: float | None = None,
+    spec: LossSpec,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate that corrects for a quantized, stale sampler; returns (loss, metrics)."""
-    _check_loss_args(logp, logp_prox, logp_behav, advantages, mask, mode, eps_low, eps_high, tis_cap, agg, dual_clip)
+    _check_shapes(logp, logp_prox, logp_behav, advantages, mask)
+    mode, eps_low, eps_high, tis_cap, agg, dual_clip = (spec.mode, spec.eps_low, spec.eps_high, spec.tis_cap,
+                                                        spec.agg, spec.dual_clip)
     m = mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     # fp32 throughout; masked positions may hold padding garbage (NaN, inf): zero it before any arithmetic

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
+import signal
 import sys
 from typing import Optional
 
@@ -13,6 +15,7 @@ from qurl.config import ConfigError, load_config, to_yaml
 EXIT_FAULT = 1  # a fault that can pass: a crash, a timeout; resume or restart
 EXIT_INPUT = 2  # config, input files or run folder wrong: every try fails the same way until an operator fixes it
 EXIT_DIVERGED = 3  # the weights became non-finite: nothing after the last good checkpoint was pushed or written
+_PR_SET_PDEATHSIG = 1
 
 
 def parse(prog: str, argv: Optional[list[str]] = None) -> DictConfig:
@@ -31,3 +34,11 @@ def parse(prog: str, argv: Optional[list[str]] = None) -> DictConfig:
         print(to_yaml(cfg), end="")
         raise SystemExit(0)
     return cfg
+
+
+def die_with_parent() -> None:
+    """Children get SIGTERM if their parent is killed, so no orphan outlives it (a Popen preexec_fn; Linux only)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass

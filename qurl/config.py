@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 
@@ -453,10 +453,3 @@ def to_yaml(cfg: DictConfig) -> str:
     container = OmegaConf.to_container(cfg, resolve=True)
     inverse = {v: k for k, v in _KEYWORD_RENAMES.items()}
     return OmegaConf.to_yaml(_rename_top(container, inverse))
-
-
-def as_plain(value: Any) -> Any:
-    """Turn a DictConfig/ListConfig subtree into plain Python containers."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value

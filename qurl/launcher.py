@@ -1,7 +1,6 @@
 """qurl-async: start the learner and the rollout server(s), supervise them, and report the run."""
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -16,22 +15,13 @@ from omegaconf import DictConfig
 
 from qurl import books, checkpoint_files, preflight, run_folder
 from qurl.checkpoint_files import step_dirs
-from qurl.cli import EXIT_DIVERGED, EXIT_FAULT, EXIT_INPUT, parse
+from qurl.cli import EXIT_DIVERGED, EXIT_FAULT, EXIT_INPUT, die_with_parent, parse
 from qurl.config import ConfigError, get, run_dir, to_yaml
 from qurl.layout import REPLACES_ENV, plan
 from qurl.metrics import truncate_after
 from qurl.report import NO_SIGNAL_STEPS, no_signal_streak, plot_curves, read_metrics, write_summary
 
 PROG = "qurl-async"
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Children get SIGTERM if the launcher is killed, so no orphan outlives it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def free_port() -> int:
@@ -70,7 +60,7 @@ class Child:
         self.log_file.write(f"--- {self.name} start (restart {self.restarts}) ---\n".encode())
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
 
     def poll(self) -> Optional[int]:
         return self.proc.poll() if self.proc else None
@@ -126,7 +116,7 @@ def build_children(cfg: DictConfig, config_path: str, out: str, available_gpus: 
     return learner, servers
 
 
-class Progress:
+class ProgressBar:
     """One tqdm bar fed from metrics.jsonl: step / total, reward, tokens/s, version, staleness, accuracies."""
 
     def __init__(self, total: int, metrics_path: str, start: int = 0):
@@ -221,7 +211,7 @@ def _run(cfg: DictConfig, out: str, config_path: str, learner: Child, servers: l
     for s in servers:
         s.start()
     _write_pids(out, [learner, *servers])
-    progress = Progress(cfg.train.steps, os.path.join(out, "metrics.jsonl"), notes.get("resume/step", 0))
+    progress = ProgressBar(cfg.train.steps, os.path.join(out, "metrics.jsonl"), notes.get("resume/step", 0))
     code = 0
     try:
         code = _supervise(cfg, learner, servers, progress, stop)
@@ -266,7 +256,7 @@ def _data_notes(data: dict) -> dict[str, Any]:
             **({"data/eval_bad_rows": data["eval"]["bad_rows"]} if "eval" in data else {})}
 
 
-def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: Progress, stop: dict) -> int:
+def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: ProgressBar, stop: dict) -> int:
     max_restarts = get(cfg, "run.max_restarts")
     while True:
         time.sleep(0.5)

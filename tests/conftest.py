@@ -48,18 +48,21 @@ def one_thread():
 
 @pytest.fixture
 def weight_hub():
-    """The learner's real WeightSender (PUB + ROUTER on loopback, HMAC key b"k"), its PUB endpoint and zmq context."""
+    """The learner's real WeightSender over its real ControlPlane (PUB + ROUTER on loopback, HMAC key b"k"), its PUB
+    endpoint and zmq context."""
     import zmq
 
     from learner.budget import Budget
+    from learner.control_plane import ControlPlane
     from learner.weight_sender import WeightSender
     from qurl import transport
 
     ctx = zmq.Context()
     pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=b"k", max_bytes=1 << 20, hwm=4)
     router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=b"k", max_bytes=1 << 20)
-    sender = WeightSender(transport.Sender(pub, "learner", secret=b"k"),
-                          transport.Receiver(router, secret=b"k", max_bytes=1 << 20, kinds=("status",)),
-                          transport.Sender(router, "learner", secret=b"k"), "fp8-block", budget=Budget(0, 1, lambda: (0, {})))
+    plane = ControlPlane(transport.Sender(pub, "learner", secret=b"k"),
+                         transport.Receiver(router, secret=b"k", max_bytes=1 << 20, kinds=("status",)),
+                         transport.Sender(router, "learner", secret=b"k"), budget=Budget(0, 1, lambda: (0, {})))
+    sender = WeightSender(plane, "fp8-block")
     yield sender, pub.getsockopt(zmq.LAST_ENDPOINT).decode(), ctx
     ctx.destroy(linger=0)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from qurl.algorithms import (
     MODES,
+    LossSpec,
     filter_groups,
     group_advantages,
     kl_penalty,
@@ -56,7 +57,7 @@ def _hand_batch():
 @pytest.mark.parametrize("mode", MODES)
 def test_hand_computed_loss_and_metrics(mode):
     logp, prox, behav, adv, mask = _hand_batch()
-    loss, m = policy_loss(logp, prox, behav, adv, mask, mode=mode)
+    loss, m = policy_loss(logp, prox, behav, adv, mask, LossSpec(mode=mode))
     assert loss.item() == pytest.approx(sum(HAND_TOKENS[mode]) / 5, abs=1e-5)
     assert m["actor/clipfrac"] == pytest.approx(HAND_CLIPFRAC[mode])
     assert m["tis/truncated_frac"] == pytest.approx(3 / 5)  # a, d, e have rho > 2
@@ -74,7 +75,7 @@ def test_hand_computed_loss_and_metrics(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_hand_computed_per_token_gradients(mode):
     logp, prox, behav, adv, mask = _hand_batch()
-    policy_loss(logp, prox, behav, adv, mask, mode=mode)[0].backward()
+    policy_loss(logp, prox, behav, adv, mask, LossSpec(mode=mode))[0].backward()
     # unclipped tokens: d(-w * A * R)/d logp = -w * A * R_mode; clipped ones: 0
     expected = {
         "ppo": [0, 0, -0.35, 0, 2.0],
@@ -99,19 +100,19 @@ def test_aggregations_hand_computed():
         "seq-mean-token-sum": ((-3.0 + 1.6) + -5.0) / 2,
     }
     for agg, value in expected.items():
-        loss, _ = policy_loss(logp, prox, behav, adv, mask, mode="acr", agg=agg)
+        loss, _ = policy_loss(logp, prox, behav, adv, mask, LossSpec(mode="acr", agg=agg))
         assert loss.item() == pytest.approx(value, abs=1e-5), agg
 
 
 def test_dual_clip_hand_computed():
     # A = -1, rho = 1, R = 5: ppo term -A * R = 5, dual clip caps it at -A * c = 3 and zeroes the gradient
     logp, prox, behav, adv, mask = _batch([[1.0, 1.0]], [[5.0, 2.0]], [[-1.0, -1.0]])
-    loss, m = policy_loss(logp, prox, behav, adv, mask, mode="acr", dual_clip=3.0)
+    loss, m = policy_loss(logp, prox, behav, adv, mask, LossSpec(mode="acr", dual_clip=3.0))
     loss.backward()
     assert loss.item() == pytest.approx((3.0 + 2.0) / 2, abs=1e-5)
     assert logp.grad[0].tolist() == pytest.approx([0.0, 2.0 / 2], abs=1e-6)
     assert m["actor/dual_clipfrac"] == pytest.approx(0.5)
-    no_dual, _ = policy_loss(logp, prox, behav, adv, mask, mode="acr")
+    no_dual, _ = policy_loss(logp, prox, behav, adv, mask, LossSpec(mode="acr"))
     assert no_dual.item() == pytest.approx((5.0 + 2.0) / 2, abs=1e-5)
 
 
@@ -131,7 +132,7 @@ def test_identity_all_modes_equal_when_behaviour_is_proximal(seed, agg):
     logp, prox, _, adv, mask = _random_batch(seed)
     losses, grads = [], []
     for mode in MODES:
-        loss, _ = policy_loss(logp, prox, prox, adv, mask, mode=mode, agg=agg)
+        loss, _ = policy_loss(logp, prox, prox, adv, mask, LossSpec(mode=mode, agg=agg))
         (grad,) = torch.autograd.grad(loss, logp)
         losses.append(loss.item())
         grads.append(grad)
@@ -146,12 +147,12 @@ def test_identity_acr_equals_tis_where_rho_at_most_c(seed):
     logp, prox, behav, adv, mask = _random_batch(seed, rho_scale=2.0)
     small = torch.exp(prox - behav) <= C
     # token-mean gradients are per token, so compare them token by token over the full batch
-    (g_tis,) = torch.autograd.grad(policy_loss(logp, prox, behav, adv, mask, mode="tis")[0], logp)
-    (g_acr,) = torch.autograd.grad(policy_loss(logp, prox, behav, adv, mask, mode="acr")[0], logp)
+    (g_tis,) = torch.autograd.grad(policy_loss(logp, prox, behav, adv, mask, LossSpec(mode="tis"))[0], logp)
+    (g_acr,) = torch.autograd.grad(policy_loss(logp, prox, behav, adv, mask, LossSpec(mode="acr"))[0], logp)
     assert torch.equal(g_tis[small], g_acr[small])
     sub = mask & small
-    tis, _ = policy_loss(logp, prox, behav, adv, sub, mode="tis")
-    acr, _ = policy_loss(logp, prox, behav, adv, sub, mode="acr")
+    tis, _ = policy_loss(logp, prox, behav, adv, sub, LossSpec(mode="tis"))
+    acr, _ = policy_loss(logp, prox, behav, adv, sub, LossSpec(mode="acr"))
     assert tis.item() == acr.item()
     # where rho > C, ACR only differs on positive advantages above the fixed bound 1 + eps_high
     ratio = torch.exp(logp - prox).detach()
@@ -165,7 +166,7 @@ def test_identity_acr_stops_clipping_exactly_at_widened_bound(rho):
     below = bound * (1 - 1e-4)
     above = bound * (1 + 1e-4)
     logp, prox, behav, adv, mask = _batch([[rho, rho]], [[below, above]], [[1.0, 1.0]])
-    loss, m = policy_loss(logp, prox, behav, adv, mask, mode="acr")
+    loss, m = policy_loss(logp, prox, behav, adv, mask, LossSpec(mode="acr"))
     loss.backward()
     w = C  # min(rho, C) with rho > C
     assert logp.grad[0, 0].item() == pytest.approx(-w * below / 2, rel=1e-4)  # still unclipped
@@ -181,7 +182,7 @@ def test_gradient_zero_on_clipped_side_of_each_bound(mode):
     ratios = [[1.5, 0.5, 0.5, 1.5, 1.0]]
     adv = [[1.0, 1.0, -1.0, -1.0, 1.0]]
     logp, prox, behav, a, mask = _batch([[1.0] * 5], ratios, adv)
-    policy_loss(logp, prox, behav, a, mask, mode=mode)[0].backward()
+    policy_loss(logp, prox, behav, a, mask, LossSpec(mode=mode))[0].backward()
     g = logp.grad[0].tolist()
     assert g[0] == 0.0  # A > 0 above the upper bound: clipped
     assert g[1] == pytest.approx(-0.5 / 5, rel=1e-5)  # A > 0 below the lower bound: unclipped
@@ -202,12 +203,13 @@ def test_fully_masked_rows_and_batch_are_nan_free():
         logp[~mask] = float("-inf")
     for agg in AGGS:
         for mode in MODES:
-            loss, metrics = policy_loss(logp, prox, behav, adv, mask, mode=mode, agg=agg, dual_clip=3.0)
+            loss, metrics = policy_loss(logp, prox, behav, adv, mask, LossSpec(mode=mode, agg=agg, dual_clip=3.0))
             (grad,) = torch.autograd.grad(loss, logp)
             assert torch.isfinite(loss) and torch.isfinite(grad).all()
             assert (grad[~mask] == 0).all()
             assert all(math.isfinite(v) for v in metrics.values())
-            empty, empty_metrics = policy_loss(logp, prox, behav, adv, torch.zeros_like(mask), mode=mode, agg=agg)
+            empty, empty_metrics = policy_loss(logp, prox, behav, adv, torch.zeros_like(mask),
+                                               LossSpec(mode=mode, agg=agg))
             assert empty.item() == 0.0 and torch.autograd.grad(empty, logp)[0].abs().sum() == 0
             assert all(v == 0.0 for v in empty_metrics.values())
 
@@ -216,7 +218,7 @@ def test_extreme_log_ratios_are_clamped():
     logp, prox, behav, adv, mask = _batch([[1.0, 1.0]], [[1.0, 1.0]], [[1.0, 1.0]])
     behav = torch.tensor([[-100.0, 0.0]])
     prox = torch.tensor([[0.0, -100.0]])
-    loss, m = policy_loss(prox.clone().requires_grad_(True), prox, behav, adv, mask, mode="acr")
+    loss, m = policy_loss(prox.clone().requires_grad_(True), prox, behav, adv, mask, LossSpec(mode="acr"))
     assert torch.isfinite(loss)
     assert m["mismatch/rho_max"] == pytest.approx(math.exp(20), rel=1e-5)
     assert m["acr/upper_over_100_frac"] == 0.5
@@ -234,12 +236,12 @@ def test_extreme_log_ratios_are_clamped():
 def test_property_masked_positions_never_matter(b, t, seed, mode, agg, mask_bits):
     logp, prox, behav, adv, _ = _random_batch(seed, b=b, t=t, rho_scale=3.0)
     mask = torch.tensor([[(mask_bits >> (i * t + j)) & 1 for j in range(t)] for i in range(b)], dtype=torch.bool)
-    loss, metrics = policy_loss(logp, prox, behav, adv, mask, mode=mode, agg=agg)
+    loss, metrics = policy_loss(logp, prox, behav, adv, mask, LossSpec(mode=mode, agg=agg))
     noisy = [x.detach().clone() for x in (logp, prox, behav)]
     for x in noisy:
         x[~mask] = float("nan")
     noisy[0].requires_grad_(True)
-    loss2, metrics2 = policy_loss(*noisy, adv, mask, mode=mode, agg=agg)
+    loss2, metrics2 = policy_loss(*noisy, adv, mask, LossSpec(mode=mode, agg=agg))
     assert loss.item() == loss2.item() and metrics == metrics2
     g1, g2 = torch.autograd.grad(loss, logp)[0], torch.autograd.grad(loss2, noisy[0])[0]
     assert torch.equal(g1, g2) and (g1[~mask] == 0).all()
@@ -250,14 +252,14 @@ def test_property_masked_positions_never_matter(b, t, seed, mode, agg, mask_bits
 
 def test_advantages_per_token_match_per_sequence():
     logp, prox, behav, adv, mask = _random_batch(3)
-    a, _ = policy_loss(logp, prox, behav, adv, mask, mode="acr")
-    b, _ = policy_loss(logp, prox, behav, adv[:, None].expand(mask.shape), mask, mode="acr")
+    a, _ = policy_loss(logp, prox, behav, adv, mask, LossSpec(mode="acr"))
+    b, _ = policy_loss(logp, prox, behav, adv[:, None].expand(mask.shape), mask, LossSpec(mode="acr"))
     assert a.item() == b.item()
 
 
 def test_bf16_inputs_give_fp32_loss():
     logp, prox, behav, adv, mask = _random_batch(4)
-    loss, _ = policy_loss(logp.bfloat16(), prox.bfloat16(), behav.bfloat16(), adv, mask, mode="acr")
+    loss, _ = policy_loss(logp.bfloat16(), prox.bfloat16(), behav.bfloat16(), adv, mask, LossSpec(mode="acr"))
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
 
 
@@ -273,19 +275,18 @@ def test_bf16_inputs_give_fp32_loss():
     ],
 )
 def test_policy_loss_bad_arguments(kwargs, message):
-    logp, prox, behav, adv, mask = _random_batch(0)
     with pytest.raises(ValueError, match=message):
-        policy_loss(logp, prox, behav, adv, mask, **kwargs)
+        LossSpec(**kwargs)  # checked once, where the settings are built: policy_loss trusts them
 
 
 def test_policy_loss_bad_shapes():
     logp, prox, behav, adv, mask = _random_batch(0)
     with pytest.raises(ValueError, match="logp_prox"):
-        policy_loss(logp, prox[:, :3], behav, adv, mask, mode="acr")
+        policy_loss(logp, prox[:, :3], behav, adv, mask, LossSpec(mode="acr"))
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(logp, prox, behav, adv[:2], mask, mode="acr")
+        policy_loss(logp, prox, behav, adv[:2], mask, LossSpec(mode="acr"))
     with pytest.raises(ValueError, match=r"\[B, T\]"):
-        policy_loss(logp[0], prox[0], behav[0], adv, mask[0], mode="acr")
+        policy_loss(logp[0], prox[0], behav[0], adv, mask[0], LossSpec(mode="acr"))
 
 
 def test_group_advantages_hand_computed():
@@ -384,6 +385,6 @@ def test_property_k3_nonnegative_with_zero_gradient_at_reference(seed):
 def test_no_gradient_through_weights_bounds_or_advantages():
     logp, prox, behav, adv, mask = _random_batch(5, rho_scale=2.0)
     prox, behav, adv = (x.detach().clone().requires_grad_(True) for x in (prox, behav, adv))
-    loss, _ = policy_loss(logp, prox, behav, adv, mask, mode="acr")
+    loss, _ = policy_loss(logp, prox, behav, adv, mask, LossSpec(mode="acr"))
     grads = torch.autograd.grad(loss, [logp, prox, behav, adv], allow_unused=True)
     assert grads[0] is not None and all(g is None for g in grads[1:])

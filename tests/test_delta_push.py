@@ -21,6 +21,7 @@ from test_protocol import _edit_header, dec, enc, header_of, rebuild
 from transformers import AutoModelForCausalLM
 
 from learner.budget import Budget
+from learner.control_plane import ControlPlane
 from learner.weight_sender import WeightSender
 from qurl import delta, sglang_payload, transport
 from qurl.protocol import BadField, BadFrame, Status, WeightPush, decode, encode, from_torch
@@ -237,16 +238,17 @@ def test_sender_honours_full_every(trajectory):
         router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
 
         def sender(full_every: int, scheme: str = "int8") -> WeightSender:
-            return WeightSender(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                                transport.Sender(router, "learner"), scheme, budget=Budget(0, 1, lambda: (0, {})),
-                                full_every=full_every)
+            plane = ControlPlane(transport.Sender(pub, "learner"),
+                                 transport.Receiver(router, secret=None, max_bytes=1 << 20),
+                                 transport.Sender(router, "learner"), budget=Budget(0, 1, lambda: (0, {})))
+            return WeightSender(plane, scheme, full_every=full_every)
 
         s = sender(3)
         modes = [s.build(v, versions[v])[0].mode for v in range(1, 7)]
         assert modes == ["full", "delta", "full", "delta", "delta", "full"]  # v1: nothing to build on
         push, stats = s.build(7, versions[0])  # a lagging server gets the whole current version
-        assert s._full.mode == "full" and s._full.version == 7 and stats.mode == "delta"
-        assert stats.bytes == nbytes(push) < stats.full_bytes == nbytes(s._full)
+        assert s.plane._full.mode == "full" and s.plane._full.version == 7 and stats.mode == "delta"
+        assert stats.bytes == nbytes(push) < stats.full_bytes == nbytes(s.plane._full)
         assert [sender(1).build(v, versions[v])[0].mode for v in (1, 2, 3)] == ["full"] * 3
         s = sender(3)
         s.build(1, versions[1])
@@ -265,9 +267,11 @@ def test_a_heartbeat_lagging_just_after_a_push_gets_no_full_repush(trajectory):
     try:
         pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
         router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-        sender = WeightSender(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                              transport.Sender(router, "learner"), "int8", budget=Budget(0, 1, lambda: (0, {})), full_every=10)
-        sender.start()
+        plane = ControlPlane(transport.Sender(pub, "learner"),
+                             transport.Receiver(router, secret=None, max_bytes=1 << 20),
+                             transport.Sender(router, "learner"), budget=Budget(0, 1, lambda: (0, {})))
+        sender = WeightSender(plane, "int8", full_every=10)
+        plane.start()
         dealer = transport.connect(ctx, zmq.DEALER, router.last_endpoint.decode(), max_bytes=1 << 20)
         tx, rx = transport.Sender(dealer, "srv"), transport.Receiver(dealer, secret=None, max_bytes=1 << 20)
 
@@ -280,10 +284,10 @@ def test_a_heartbeat_lagging_just_after_a_push_gets_no_full_repush(trajectory):
         sender.publish(1, versions[1])
         sender.publish(2, versions[2])
         say("heartbeat", 1)
-        assert sender.repushes == 0
+        assert plane.repushes == 0
         say("resend_weights", 1)
-        assert sender.repushes == 1
-        sender.close()
+        assert plane.repushes == 1
+        plane.close()
     finally:
         ctx.destroy(linger=0)
 
@@ -322,7 +326,7 @@ def test_checksum_covers_codes_and_scales_only(trajectory):
     assert delta.checksum(dict(v, **{code: flipped})) != delta.checksum(v)
 
 
-# -- end to end: a real server process, the learner's real WeightSender ------------------------------------------------
+# -- end to end: a real server process, the learner's real WeightSender and ControlPlane -----------------------------
 
 
 def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, trajectory, tmp_path):
@@ -331,9 +335,10 @@ def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, t
     pull = transport.bind(ctx, zmq.PULL, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 26)
     pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20, hwm=4)
     router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-    sender = WeightSender(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                          transport.Sender(router, "learner"), "int8", budget=Budget(0, 1, lambda: (0, {})), full_every=100)
-    sender.start()
+    plane = ControlPlane(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
+                         transport.Sender(router, "learner"), budget=Budget(0, 1, lambda: (0, {})))
+    sender = WeightSender(plane, "int8", full_every=100)
+    plane.start()
     endpoints = [f"transport.{n}={s.last_endpoint.decode()}" for n, s in
                  (("trajectories", pull), ("weights", pub), ("control", router))]
     demo = Path(demo_dir)
@@ -350,7 +355,7 @@ def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, t
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"server exited with {proc.returncode}"
-            server = next(iter(sender.servers.values()), None)
+            server = next(iter(plane.servers.values()), None)
             if server is not None and until(server):
                 return server.counters
             time.sleep(0.05)
@@ -382,14 +387,14 @@ def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, t
         sender.publish(7, versions[0])  # and the healed base carries deltas again
         c = wait("a delta on the healed base", lambda s: s.counters.get("weight_deltas_applied") == 3)
         assert c["weight_checksum_mismatches"] == 1 and c["weight_pushes_rejected"] == 1
-        print(f"server counters: {c}; sender repushes {sender.repushes}")
+        print(f"server counters: {c}; sender repushes {plane.repushes}")
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        sender.close()
+        plane.close()
         ctx.destroy(linger=0)
         print(log_path.read_text()[-3000:])
 

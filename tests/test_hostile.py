@@ -247,13 +247,13 @@ def test_bad_rows_a_resume_from_scratch_and_a_reward_without_signal_are_said_on_
 
 
 def test_the_progress_bar_keeps_the_reward_under_an_eval_row_and_never_runs_backwards(tmp_path):
-    from qurl.launcher import Progress
+    from qurl.launcher import ProgressBar
 
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": 4, "reward/mean": 0.5, "loss/policy": 0.1, "version": 4},
             {"step": 4, "eval/acc_fp": 0.3, "eval/version": 4}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    bar = Progress(10, str(path), start=4)  # resumed at step 4
+    bar = ProgressBar(10, str(path), start=4)  # resumed at step 4
     try:
         bar.update()
         assert bar.bar.n == 4 and "reward=0.5" in str(bar.bar) and "acc_fp=0.3" in str(bar.bar), str(bar.bar)

@@ -347,7 +347,8 @@ def in_process(tmp_path, demo_dir):
     """A one-rank process group in the test process, and a factory for Learners on it (sockets closed after)."""
     import torch.distributed as dist
 
-    from learner.trainer import DistEnv, Learner
+    from learner.policy_step import DistEnv
+    from learner.trainer import Learner
     from qurl.config import load_config
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -369,24 +370,24 @@ def in_process(tmp_path, demo_dir):
 
 
 def full_weights(learner) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}
+    return {k: v.full_tensor().clone() for k, v in learner.policy.model.state_dict().items()}
 
 
 def test_a_nan_loss_skips_the_update_and_the_next_batch_trains(in_process, batches):
     from learner.buffer import collate
 
     learner = in_process("train.mini_batches=1")
-    batch = collate(batches[0], learner.pad_id)
-    bad = collate(batches[0], learner.pad_id)
+    batch = collate(batches[0], learner.policy.pad_id)
+    bad = collate(batches[0], learner.policy.pad_id)
     bad.behav_logp[0, int(bad.prompt_len[0])] = float("nan")  # one response token: the protocol would refuse it
     before = full_weights(learner)
-    updated, m = learner._train_step(bad)
-    assert not updated and learner.progress.skipped_updates == 1 and np.isnan(m["loss/policy"])
+    result = learner.policy.step(bad, learner.state.step)
+    assert not result.updated and result.skipped == 1 and np.isnan(result.metrics["loss/policy"])
     after = full_weights(learner)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert all(p.grad is None for p in learner.model.parameters())
-    updated, m = learner._train_step(batch)
-    assert updated and np.isfinite(m["loss/policy"])
+    assert all(p.grad is None for p in learner.policy.model.parameters())
+    result = learner.policy.step(batch, learner.state.step)
+    assert result.updated and np.isfinite(result.metrics["loss/policy"])
     assert any(not torch.equal(before[k], v) for k, v in full_weights(learner).items())
 
 
@@ -394,11 +395,11 @@ def test_one_mini_batch_reuses_its_forward_as_the_proximal_policy(in_process, ba
     from learner.buffer import collate
 
     reused, separate = in_process("train.mini_batches=1"), in_process("train.mini_batches=1")
-    separate.dropout_free = False  # forces the separate no-grad proximal pass
-    assert reused.dropout_free
-    batch = collate(batches[0], reused.pad_id)
-    _, m_reused = reused._train_step(batch)
-    _, m_separate = separate._train_step(batch)
+    separate.policy.dropout_free = False  # forces the separate no-grad proximal pass
+    assert reused.policy.dropout_free
+    batch = collate(batches[0], reused.policy.pad_id)
+    m_reused = reused.policy.step(batch, 0).metrics
+    m_separate = separate.policy.step(batch, 0).metrics
     for key in ("loss/policy", "actor/grad_norm", "mismatch/kl_k3", "mismatch/rho_max"):
         assert m_reused[key] == pytest.approx(m_separate[key], rel=1e-5, abs=1e-7), key
     a, b = full_weights(reused), full_weights(separate)
@@ -410,7 +411,8 @@ def test_bf16_mixed_precision_with_gradient_checkpointing_trains_fp32_masters(in
 
     learner = in_process("train.precision=bf16", "model.gradient_checkpointing=true")
     before = full_weights(learner)
-    updated, m = learner._train_step(collate(batches[0], learner.pad_id))
+    result = learner.policy.step(collate(batches[0], learner.policy.pad_id), 0)
+    updated, m = result.updated, result.metrics
     assert updated and np.isfinite(m["loss/policy"]) and np.isfinite(m["actor/grad_norm"])
     assert m["mismatch/kl_k3"] < 0.05  # bf16 proximal logprobs stay close to the int8 sampler's
     after = full_weights(learner)

@@ -10,7 +10,7 @@ import torch
 import zmq
 
 from learner import push_transport
-from learner.weight_sender import SERVER_GONE_S, ServerInfo, WeightSender
+from learner.control_plane import SERVER_GONE_S, ServerInfo
 from qurl import protocol, transport
 from qurl.config import ConfigError, load_config
 from qurl.layout import plan
@@ -115,22 +115,23 @@ def test_announced_refs_reach_a_server_and_nccl_refs_are_never_repushed(hub):
     stats = sender.announce(1, ref, tensors, repush=False)
     got = rx.recv(timeout_ms=5000)
     assert isinstance(got, WeightRef) and got.version == 1 and got.buckets[0][0] == META[0]
-    assert stats.bytes == 256 * 128 + 2 * 4 and sender.version == 1 and sender._full is None
+    assert stats.bytes == 256 * 128 + 2 * 4 and sender.plane.version == 1 and sender.plane._full is None
     ipc = WeightRef(version=2, scheme="fp8-block", transport="cuda-ipc", buckets=[META], payloads=[[b"h0", b"h1"]])
     sender.announce(2, ipc, tensors, repush=True)
-    assert rx.recv(timeout_ms=5000).payloads == [[b"h0", b"h1"]] and sender._full is ipc
+    assert rx.recv(timeout_ms=5000).payloads == [[b"h0", b"h1"]] and sender.plane._full is ipc
 
 
 def test_wait_applied_returns_the_live_servers_still_behind(hub):
     sender, _ = hub
     now = time.monotonic()
-    sender.servers = {"r0": ServerInfo(3, 0, 0, now), "r1": ServerInfo(2, 0, 0, now),
+    plane = sender.plane
+    plane.servers = {"r0": ServerInfo(3, 0, 0, now), "r1": ServerInfo(2, 0, 0, now),
                       "gone": ServerInfo(0, 0, 0, now - SERVER_GONE_S - 1)}
     started = time.monotonic()
-    assert sender.wait_applied(3, timeout_s=0.3) == ["r1"]
+    assert plane.wait_applied(3, timeout_s=0.3) == ["r1"]
     assert time.monotonic() - started >= 0.3
-    sender.servers["r1"].version = 3
-    assert sender.wait_applied(3, timeout_s=60) == []
+    plane.servers["r1"].version = 3
+    assert plane.wait_applied(3, timeout_s=60) == []
 
 
 # -- the learner's choice of transport ---------------------------------------------------------------
@@ -209,8 +210,9 @@ def test_torch_engine_refuses_tensor_parallelism():
 def test_an_eval_request_lost_with_a_killed_server_goes_to_its_replacement(weight_hub):
     """The end-of-run quantized eval must not wait for a server that was killed holding the request."""
     sender, _, ctx = weight_hub
-    sender.start()
-    router = sender.control.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    plane = sender.plane
+    plane.start()
+    router = plane.control.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
     def server(sid: str):
         sock = transport.connect(ctx, zmq.DEALER, router, max_bytes=1 << 20)
@@ -230,9 +232,9 @@ def test_an_eval_request_lost_with_a_killed_server_goes_to_its_replacement(weigh
 
     old = server("rollout-0-111")
     say(old, "hello")
-    sender.request_eval(6)
+    plane.request_eval(6)
     assert [m.version for m in say(old, "heartbeat") if m.type == "eval_request"] == [6]
     assert not [m for m in say(old, "heartbeat") if m.type == "eval_request"]  # asked once
     new = server("rollout-0-222")  # qurl-async restarted it: its hello names the dead pid
     assert [m.version for m in say(new, "hello", replaces_pid=111) if m.type == "eval_request"] == [6]
-    sender.close()
+    plane.close()

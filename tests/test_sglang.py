@@ -638,7 +638,7 @@ def test_learner_ipc_push_rewrites_its_buffers_and_payloads_open_in_sglang(sg, w
     import zmq
 
     from learner.push_transport import IpcPush
-    from learner.weight_sender import ServerInfo
+    from learner.control_plane import ServerInfo
     from qurl import transport
     from qurl.protocol import WeightRef
     from rollout_server.weight_refs import apply_ref
@@ -661,9 +661,9 @@ def test_learner_ipc_push_rewrites_its_buffers_and_payloads_open_in_sglang(sg, w
         opened = dict(pair for p in ref.payloads for pair in MultiprocessingSerializer.deserialize(p[3]))
         assert opened.keys() == pushed.keys()
         assert all(torch.equal(opened[k].view(torch.uint8), pushed[k].view(torch.uint8)) for k in pushed)
-        sender.servers = {"rollout-0": ServerInfo(version, 0, 0, time.monotonic())}  # as its heartbeat says
+        sender.plane.servers = {"rollout-0": ServerInfo(version, 0, 0, time.monotonic())}  # as its heartbeat says
     # a server still on version 1 has yet to read set 1 (version 2): push 4 would overwrite it, so it is skipped
-    sender.servers = {"rollout-0": ServerInfo(1, 0, 0, time.monotonic())}
+    sender.plane.servers = {"rollout-0": ServerInfo(1, 0, 0, time.monotonic())}
     before = [t.clone() for t in push.sets[1]]
     assert push.publish(4, pushed) is None and push.skipped == 1 and push.versions == [3, 2]
     assert all(torch.equal(a, b) for a, b in zip(before, push.sets[1])) and rx.recv(timeout_ms=300) is None

@@ -1,0 +1,240 @@
+"""The policy step (design.md §3, step 3): one batch in, one optimizer update per mini-batch out.
+
+Micro-batch planning, proximal and reference logprobs, advantages, the QuRL loss, the learning-rate schedule,
+the optimizer and the reduction of the loss metrics over ranks. Every rank runs the same collectives; the loss of
+a mini-batch is normalised by the global token (or sequence) count, so one rank and N ranks take the same step.
+It needs a process group and nothing else: no sockets, no run folder.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from learner.buffer import Batch
+from learner.model import token_logprobs
+from qurl.algorithms import LossSpec, group_advantages, kl_penalty, overlong_penalty, policy_loss
+
+log = logging.getLogger("learner")
+
+MICRO_BATCH_TOKENS = 16384  # padded tokens per forward; bounds activation memory, never changes the result
+LOSS_METRICS = ("actor/clipfrac", "tis/truncated_frac", "acr/widened_frac", "acr/upper_max", "mismatch/kl_k1",
+                "mismatch/kl_k3", "mismatch/rho_max")
+
+
+@dataclass
+class DistEnv:
+    """This process's place in the learner job."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+
+@dataclass
+class MicroBatch:
+    """Rows of one forward pass, cut to their own length: tokens [n, T], log-probs over positions start..T-1."""
+
+    input_ids: torch.Tensor
+    start: int
+    mask: torch.Tensor  # [n, T - start] response tokens
+    behav_logp: torch.Tensor  # [n, T - start]
+    advantages: torch.Tensor  # [n]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.mask.sum())
+
+
+@dataclass
+class StepResult:
+    updated: bool  # at least one mini-batch's update was applied: a new weight version
+    skipped: int  # updates skipped for a NaN / inf loss or grad norm
+    metrics: dict
+
+
+def pad_token_id(config) -> int:
+    """The id collate pads with: the model's pad token, else its (first) eos token, else 0."""
+    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    return int(pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
+
+
+class PolicyStep:
+    """Trains `model` (FSDP2-sharded) on one batch per call; `reference` (frozen) only when algo.kl_coef > 0."""
+
+    def __init__(self, model: nn.Module, reference: Optional[nn.Module], train: DictConfig, algo: DictConfig,
+                 sampling: DictConfig, env: DistEnv) -> None:
+        self.model, self.reference, self.train_cfg, self.algo, self.env = model, reference, train, algo, env
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+        self.loss_spec = LossSpec(mode=algo.loss, eps_low=algo.eps_low, eps_high=algo.eps_high, tis_cap=algo.tis_cap,
+                                  agg=algo.loss_agg, dual_clip=algo.dual_clip)
+        self.temperature = float(sampling.temperature)  # 0 (greedy) means unscaled logits
+        self.max_new_tokens = sampling.max_new_tokens
+        self.pad_id = pad_token_id(model.config)
+        self.dropout_free = not getattr(model.config, "attention_dropout", 0.0) and all(
+            m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+
+    def lr(self, step: int) -> float:
+        """Linear warmup over train.warmup_steps learner steps, then constant or cosine to 0 at train.steps."""
+        t = self.train_cfg
+        if step < t.warmup_steps:
+            return t.lr * (step + 1) / t.warmup_steps
+        if t.lr_schedule == "cosine":
+            progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+            return t.lr * 0.5 * (1 + math.cos(math.pi * progress))
+        return t.lr
+
+    def step(self, batch: Batch, step: int) -> StepResult:
+        """Collective: mini-batch updates on one batch, `step` learner steps taken before it."""
+        algo = self.algo
+        advantages, metrics = self._advantages(batch)
+        plan, totals = self._plan(batch, advantages)
+        temp = self.temperature
+        # one mini-batch of a dropout-free model: the first update's own forward is the proximal policy
+        reuse_prox = len(plan) == 1 and self.dropout_free
+        self.model.eval()
+        with torch.no_grad():
+            prox = None if reuse_prox else [[token_logprobs(self.model, m.input_ids, m.start, temp) for m in mini]
+                                            for mini in plan]
+            ref = ([[token_logprobs(self.reference, m.input_ids, m.start, temp) for m in mini] for mini in plan]
+                   if self.reference is not None else None)
+        self.model.train()
+        lr = self.lr(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        token_mean = algo.loss_agg == "token-mean"
+        sums: Counter = Counter()  # loss-metric sums weighted by tokens
+        maxes: dict[str, float] = {}
+        losses, kls, norms, applied = [], [], [], 0
+        for i, mini in enumerate(plan):
+            tokens, seqs = totals[i].tolist()
+            self.optimizer.zero_grad(set_to_none=True)
+            finite, pg_sum, kl_sum = True, 0.0, 0.0
+            for j, m in enumerate(mini):
+                logp = token_logprobs(self.model, m.input_ids, m.start, temp)
+                loss, lm = policy_loss(logp, logp.detach() if reuse_prox else prox[i][j], m.behav_logp, m.advantages,
+                                       m.mask, self.loss_spec)
+                local = m.tokens if token_mean else int(m.mask.any(-1).sum())
+                pg = loss * (local / (tokens if token_mean else seqs))
+                kl = ((kl_penalty(logp, ref[i][j], algo.kl_kind) * m.mask).sum() / tokens if ref is not None
+                      else torch.zeros((), device=logp.device))
+                total = pg + algo.kl_coef * kl
+                check = torch.tensor([pg.item(), kl.item()], dtype=torch.float64)
+                dist.all_reduce(check)
+                if not torch.isfinite(check).all():
+                    finite = False
+                    break
+                (total * self.env.world).backward()  # FSDP averages gradients over ranks; the loss is already global
+                pg_sum, kl_sum = pg_sum + check[0].item(), kl_sum + check[1].item()
+                for key, value in lm.items():
+                    if key.endswith("_max"):
+                        maxes[key] = max(maxes.get(key, 0.0), value)
+                    else:
+                        sums[key] += value * m.tokens
+            if finite:
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
+                norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+                norms.append(norm)
+                finite = math.isfinite(norm)
+            if finite:
+                self.optimizer.step()
+                applied += 1
+                losses.append(pg_sum)
+                kls.append(kl_sum)
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+                losses.append(float("nan"))
+                log.warning("step %d: non-finite loss or grad norm in mini-batch %d; update skipped", step + 1, i)
+        metrics.update(_reduce_loss_metrics(sums, maxes, float(totals[:, 0].sum())))
+        metrics.update({"loss/policy": _mean(losses), "actor/grad_norm": _mean(norms), "lr": lr,
+                        "train/updates": applied, "actor/tokens": float(totals[:, 0].sum())})
+        if ref is not None:
+            metrics["loss/kl"] = _mean(kls)
+        return StepResult(applied > 0, len(plan) - applied, metrics)
+
+    def _advantages(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """GRPO-style group advantages, with DAPO's overlong penalty added to the rewards first when enabled."""
+        rewards, info = batch.rewards.clone(), {}
+        overlong = self.algo.overlong
+        if overlong.enable:
+            penalty = overlong_penalty(batch.total_len - batch.prompt_len, self.max_new_tokens,
+                                       overlong.buffer, overlong.factor)
+            rewards += penalty
+            info["reward/overlong_penalty_mean"] = penalty.mean().item()
+        return group_advantages(rewards, batch.group, estimator=self.algo.advantage), info
+
+    def _plan(self, batch: Batch, advantages: torch.Tensor) -> tuple[list[list[MicroBatch]], torch.Tensor]:
+        """This rank's micro-batches per mini-batch (groups split into mini-batches, then across ranks), and the
+        global [tokens, sequences] of each mini-batch. Every rank gets the same number of micro-batches."""
+        world, rank = self.env.world, self.env.rank
+        chunks = torch.tensor_split(torch.arange(batch.num_groups), self.train_cfg.mini_batches)
+        rows_per_mini = [torch.nonzero(torch.isin(batch.group, torch.tensor_split(c, world)[rank])).flatten()
+                         for c in chunks]
+        plan = [_micro_rows(rows, batch) for rows in rows_per_mini]
+        counts = torch.tensor([len(p) for p in plan])
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        response_len = batch.total_len - batch.prompt_len
+        totals = torch.tensor([[float(response_len[r].sum()), float(len(r))] for r in rows_per_mini],
+                              dtype=torch.float64)
+        dist.all_reduce(totals)
+        micro = [[self._micro(batch, advantages, rows) for rows in p]
+                 + [self._micro(batch, advantages, None)] * (int(c) - len(p)) for p, c in zip(plan, counts)]
+        return micro, totals
+
+    def _micro(self, batch: Batch, advantages: torch.Tensor, rows: Optional[torch.Tensor]) -> MicroBatch:
+        """Device tensors of `rows`; None gives one padding row with no response tokens (keeps FSDP's collectives
+        in step)."""
+        dev = self.env.device
+        if rows is None:
+            return MicroBatch(torch.full((1, 2), self.pad_id, device=dev), 1,
+                              torch.zeros(1, 1, dtype=torch.bool, device=dev),
+                              torch.zeros(1, 1, device=dev), torch.zeros(1, device=dev))
+        end, start = int(batch.total_len[rows].max()), int(batch.prompt_len[rows].min())
+        pos = torch.arange(start, end)
+        mask = (pos >= batch.prompt_len[rows, None]) & (pos < batch.total_len[rows, None])
+        return MicroBatch(batch.input_ids[rows, :end].to(dev), start, mask.to(dev),
+                          batch.behav_logp[rows, start:end].to(dev), advantages[rows].to(dev))
+
+
+def _micro_rows(rows: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+    """Cut rows (in order) into runs whose padded size stays within MICRO_BATCH_TOKENS (at least one row each)."""
+    out, current, longest = [], [], 0
+    for r in rows.tolist():
+        length = int(batch.total_len[r])
+        if current and (len(current) + 1) * max(longest, length) > MICRO_BATCH_TOKENS:
+            out.append(torch.tensor(current))
+            current, longest = [], 0
+        current.append(r)
+        longest = max(longest, length)
+    if current:
+        out.append(torch.tensor(current))
+    return out
+
+
+def _reduce_loss_metrics(sums: Counter, maxes: dict, tokens: float) -> dict:
+    """Token-weighted means and maxima of policy_loss's metrics over every rank and micro-batch."""
+    out = dict.fromkeys(LOSS_METRICS, float("nan"))  # a step whose every update was skipped logs null
+    keys = sorted(sums)
+    if not keys:
+        return out
+    mean_t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(mean_t)
+    max_keys = sorted(maxes)
+    max_t = torch.tensor([maxes[k] for k in max_keys], dtype=torch.float64)
+    dist.all_reduce(max_t, op=dist.ReduceOp.MAX)
+    out.update({k: v / max(tokens, 1.0) for k, v in zip(keys, mean_t.tolist())})
+    out.update(zip(max_keys, max_t.tolist()))
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
