@@ -35,6 +35,7 @@ from qurl.algorithms import group_advantages, kl_penalty, overlong_penalty, poli
 from qurl.config import get, run_dir, to_yaml
 from qurl.data import DatasetError
 from qurl.metrics import MetricsLogger
+from qurl.protocol import CONTROL_MAX_BYTES, TRAJECTORY_MAX_BYTES
 from qurl.quant import quantize_state_dict, scheme_for
 from qurl.report import write_summary
 
@@ -42,8 +43,6 @@ log = logging.getLogger("learner")
 
 MICRO_BATCH_TOKENS = 16384  # padded tokens per forward; bounds activation memory, never changes the result
 WAIT_TICK_MS = 500  # rank 0 polls the socket this long between the collectives that keep every rank in step
-TRAJECTORY_MAX_BYTES = 64 << 20
-CONTROL_MAX_BYTES = 1 << 20
 CLOSE_LINGER_MS = 2000  # at exit, give the last weight push and replies this long to leave
 WAIT, BATCH = 0, 1
 FINAL_EVAL_WAIT_S = 300.0  # how long the last step waits for a rollout server's quantized evaluation

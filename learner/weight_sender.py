@@ -20,7 +20,8 @@ import zmq
 
 from learner.budget import SERVER_GONE_S, Budget
 from qurl import books, delta
-from qurl.protocol import Status, WeightPush, WeightRef, from_torch
+from qurl.frames import from_torch
+from qurl.protocol import Status, WeightPush, WeightRef
 from qurl.quant import changed_fraction
 from qurl.transport import Receiver, Sender
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import zmq
 
-from qurl.protocol import Message, ProtocolError, ReplayGuard, decode, encode
+from qurl.frames import ProtocolError, ReplayGuard
+from qurl.protocol import Message, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ import numpy as np
 import zmq
 
 from qurl import books, protocol
+from qurl.frames import ProtocolError
 from qurl.config import get, run_dir
 from qurl.data import Example, PromptDataset
 from qurl.evaluate import EvalSet
@@ -286,7 +287,7 @@ class RolloutLoop:
                                               reward=r.reward, finish_reason=s.finish_reason,
                                               reward_details=_details(r))
                               for s, r in zip(group.samples, rewards)))
-        except protocol.ProtocolError as exc:  # an engine output the wire refuses (e.g. a NaN logprob)
+        except ProtocolError as exc:  # an engine output the wire refuses (e.g. a NaN logprob)
             self.counters["bad_groups"] += 1
             log.error("dropped group %s: %s", group.group_id, exc)
             return

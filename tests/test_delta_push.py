@@ -23,7 +23,8 @@ from transformers import AutoModelForCausalLM
 from learner.budget import Budget
 from learner.weight_sender import WeightSender
 from qurl import delta, sglang_payload, transport
-from qurl.protocol import BadField, BadFrame, Status, WeightPush, decode, encode, from_torch
+from qurl.frames import BadField, BadFrame, from_torch
+from qurl.protocol import Status, WeightPush, decode, encode
 from qurl.quant import quantize_state_dict
 from rollout_server.engines import GenRequest, load_engine
 from rollout_server.engines import sglang_engine as se
