@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import QWEN2_150M, emit, machine_info  # noqa: E402  (benchmarks/common.py)
 from qurl import delta  # noqa: E402
-from qurl.protocol import WeightPush, decode, encode, from_torch  # noqa: E402
+from qurl.frames import from_torch  # noqa: E402
+from qurl.protocol import WeightPush, decode, encode  # noqa: E402
 from qurl.quant import quantize_state_dict  # noqa: E402
 from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
 from rollout_server.engines import load_engine  # noqa: E402

@@ -25,6 +25,7 @@ import zmq
 
 from common import emit, machine_info  # benchmarks/common.py
 from qurl import protocol, transport
+from qurl.frames import ReplayGuard, from_torch
 from qurl.protocol import Sample, TrajectoryGroup, WeightPush, WireTensor
 
 SECRET = b"wire-benchmark-secret"
@@ -68,7 +69,7 @@ def int8_state(
         out[f"{name}.weight"] = WireTensor(rng.integers(-127, 128, (n_out, n_in), np.int8), "int8")
         out[f"{name}.weight_scale"] = WireTensor(rng.random(n_out, np.float32) / 127, "float32")
 
-    out["model.embed_tokens.weight"] = protocol.from_torch(
+    out["model.embed_tokens.weight"] = from_torch(
         torch.randn(vocab, hidden, generator=g).bfloat16()
     )
     for i in range(layers):
@@ -83,7 +84,7 @@ def int8_state(
         linear(f"{p}.mlp.up_proj", inter, hidden)
         linear(f"{p}.mlp.down_proj", hidden, inter)
     out["model.norm.weight"] = f32(hidden)
-    out["lm_head.weight"] = protocol.from_torch(torch.randn(vocab, hidden, generator=g).bfloat16())
+    out["lm_head.weight"] = from_torch(torch.randn(vocab, hidden, generator=g).bfloat16())
     return out
 
 
@@ -95,7 +96,7 @@ def _sink(data_ep: str, ctrl_ep: str) -> None:
     ctrl.connect(ctrl_ep)
     ctrl.send_json({"ready": True})
     while (spec := ctrl.recv_json())["mode"] != "stop":
-        guard = protocol.ReplayGuard()
+        guard = ReplayGuard()
         secret = SECRET if spec["hmac"] else None
         for _ in range(spec["n"]):
             frames = data.recv_multipart(copy=False)
@@ -150,7 +151,7 @@ def _codec_us(msg: protocol.Message, hmac: bool, reps: int) -> tuple[float, floa
     """Median in-process encode and decode microseconds, without sockets."""
     secret = SECRET if hmac else None
     enc, dec = [], []
-    guard = protocol.ReplayGuard()
+    guard = ReplayGuard()
     for i in range(reps):
         t0 = time.perf_counter()
         frames = protocol.encode(msg, sender="b", session="s", seq=i, secret=secret)

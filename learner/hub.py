@@ -24,12 +24,11 @@ from learner.control_plane import ControlPlane
 from learner.errors import StartError, first_line
 from learner.policy_step import DistEnv
 from qurl import transport
+from qurl.protocol import CONTROL_MAX_BYTES, TRAJECTORY_MAX_BYTES
 
 log = logging.getLogger("learner")
 
 WAIT_TICK_MS = 500  # rank 0 polls the socket this long between the collectives that keep every rank in step
-TRAJECTORY_MAX_BYTES = 64 << 20
-CONTROL_MAX_BYTES = 1 << 20
 CLOSE_LINGER_MS = 2000  # at exit, give the last weight push and replies this long to leave
 WAIT, BATCH = 0, 1
 

@@ -47,7 +47,7 @@ class IpcPush:
     """
 
     def __init__(self, sender: WeightSender, scheme: str, device: torch.device, ranks: int,
-                 bucket_bytes: int = payload.DEFAULT_BUCKET_BYTES, ack_timeout_s: float = IPC_ACK_TIMEOUT_S) -> None:
+                 bucket_bytes: int = payload.UPDATE_BUCKET_BYTES, ack_timeout_s: float = IPC_ACK_TIMEOUT_S) -> None:
         self.sender, self.scheme, self.device, self.ranks = sender, scheme, device, ranks
         self.bucket_bytes, self.ack_timeout_s = bucket_bytes, ack_timeout_s
         self.metas: list | None = None
@@ -91,7 +91,7 @@ class NcclPush:
     """One broadcast per bucket from rank 0 to every replica: the servers call SGLangEngine.receive_broadcast."""
 
     def __init__(self, sender: WeightSender, scheme: str, device: torch.device, endpoint: str, replicas: int,
-                 tp_size: int, bucket_bytes: int = payload.DEFAULT_BUCKET_BYTES) -> None:
+                 tp_size: int, bucket_bytes: int = payload.UPDATE_BUCKET_BYTES) -> None:
         self.sender, self.scheme, self.device, self.bucket_bytes = sender, scheme, device, bucket_bytes
         self.address = payload.group_address(endpoint)
         self.world, _ = payload.update_group_layout(replicas, tp_size)

@@ -11,7 +11,8 @@ import torch
 
 from learner.control_plane import ControlPlane
 from qurl import delta
-from qurl.protocol import WeightPush, WeightRef, from_torch
+from qurl.frames import from_torch
+from qurl.protocol import WeightPush, WeightRef
 from qurl.quant import changed_fraction
 
 

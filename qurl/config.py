@@ -389,7 +389,7 @@ def _validate_transport(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"transport.{name}={endpoint!r} is not an endpoint; use auto, tcp://HOST:PORT or ipc://PATH")
         host = match.group("host")
-        if host and not _is_loopback(host) and not secret:
+        if host and not is_loopback_host(host) and not secret:
             raise ConfigError(f"transport.{name}={endpoint!r} is not loopback; set transport.secret to bind it")
 
 
@@ -414,12 +414,13 @@ def _validate_sync(cfg: DictConfig) -> None:
                           "skips the INT8 loader); use sync.transport=cuda-ipc or zmq")
     if kind == "cuda-ipc":
         host = _ENDPOINT.match(get(cfg, "transport.weights")).group("host")
-        if host and not _is_loopback(host):
+        if host and not is_loopback_host(host):
             raise ConfigError(f"sync.transport=cuda-ipc hands CUDA memory handles to servers on this node; "
                               f"transport.weights={get(cfg, 'transport.weights')!r} must be loopback or ipc://")
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """localhost or a loopback address (bracketed IPv6 too); names and wildcards are not provably local."""
     if host == "localhost":
         return True
     try:

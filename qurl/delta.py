@@ -6,6 +6,7 @@ or a bit mask when many changed), whichever of that and the whole tensor is smal
 (embeddings, norms, biases) travels whole. Every push
 carries `checksum` of the resulting codes and scales, so a server proves its buffers equal the learner's.
 A delta applies only on top of exactly V-1 (the server checks its version); `apply` is all or nothing.
+How the entries are named (X@val with X@idx or X@mask), and the rule every push is checked by: qurl/delta_names.py.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from qurl.protocol import (DELTA_INDEX, DELTA_MASK, DELTA_VALUES, BadFrame, ProtocolError, WeightPush, WireTensor,
-                           from_torch, to_torch)
+from qurl.delta_names import DELTA_INDEX, DELTA_MASK, DELTA_VALUES
+from qurl.frames import BadFrame, ProtocolError, WireTensor, from_torch, to_torch
+from qurl.protocol import WeightPush
 
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SCALE_SUFFIXES = ("_scale", "_scale_inv")

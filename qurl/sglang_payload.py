@@ -11,17 +11,24 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
+from typing import Any
+
 import torch
 
+from qurl.frames import BadField, BadFrame, check_shape, check_str
 from qurl.quant import is_quantized_linear
 
 FP8_BLOCK = 128
 SCALE_SUFFIX = {"none": None, "int8": "_scale", "fp8-block": "_scale_inv"}
 CODE_DTYPE = {"int8": torch.int8, "fp8-block": torch.float8_e4m3fn}
-DEFAULT_BUCKET_BYTES = 256 << 20
+UPDATE_BUCKET_BYTES = 256 << 20  # one SGLang weight update: a flattened CUDA buffer or one NCCL broadcast
 GROUP_NAME = "qurl-weights"  # the weight-update process group of learner rank 0 and the replicas
+# tensor dtypes bucket metadata may name (torch names, as SGLang's receivers take them)
+META_DTYPES = ("bfloat16", "float16", "float32", "int8", "uint8", "float8_e4m3fn")
+MAX_PAYLOAD_BYTES = 64 << 20  # one bucket serialized for one rank, as a WeightRef carries it
 
 Named = list[tuple[str, torch.Tensor]]
+Meta = tuple[list[str], list[str], list[list[int]]]  # one bucket's (names, dtype names, shapes), in load order
 
 
 def check_scheme(scheme: str) -> None:
@@ -74,7 +81,7 @@ def _units(named: Named) -> list[Named]:
     return list(units.values())
 
 
-def buckets(named: Named, max_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Named]:
+def buckets(named: Named, max_bytes: int = UPDATE_BUCKET_BYTES) -> list[Named]:
     """Group tensors into buckets of at most `max_bytes` (a bigger unit goes alone), widest dtype first in each."""
     if max_bytes < 1:
         raise ValueError(f"bucket size must be >= 1 byte, got {max_bytes}")
@@ -94,10 +101,50 @@ def buckets(named: Named, max_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Named]:
     return [sorted(b, key=lambda item: -item[1].element_size()) for b in out]
 
 
-def bucket_meta(bucket: Named) -> tuple[list[str], list[str], list[list[int]]]:
+def bucket_meta(bucket: Named) -> Meta:
     """(names, dtype names, shapes) as update_weights_from_distributed takes them."""
     return ([n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
             [list(t.shape) for _, t in bucket])
+
+
+def check_metas(metas: Any, name: str) -> list[Meta]:
+    """BadField unless `metas` is a non-empty list of bucket_meta layouts naming each tensor once; lists of lists."""
+    if not isinstance(metas, (list, tuple)) or not metas:
+        raise BadField(f"{name}: need at least one bucket")
+    out, seen = [], set()
+    for b, bucket in enumerate(metas):
+        if not isinstance(bucket, (list, tuple)) or len(bucket) != 3:
+            raise BadField(f"{name}[{b}]: expected [names, dtypes, shapes]")
+        names, dtypes, shapes = (list(x) if isinstance(x, (list, tuple)) else None for x in bucket)
+        if None in (names, dtypes, shapes) or not names or not len(names) == len(dtypes) == len(shapes):
+            raise BadField(f"{name}[{b}]: names, dtypes and shapes must be lists of one equal, non-zero length")
+        checked = []
+        for tensor, dtype, shape in zip(names, dtypes, shapes):
+            check_str(tensor, f"{name}[{b}] name")
+            if tensor in seen:
+                raise BadField(f"{name}: {tensor} appears twice")
+            seen.add(tensor)
+            if dtype not in META_DTYPES:
+                raise BadField(f"{name}[{b}] {tensor}: dtype {dtype!r} is not one of {META_DTYPES}")
+            try:
+                checked.append(list(check_shape(list(shape) if isinstance(shape, tuple) else shape, tensor)))
+            except BadFrame:
+                raise BadField(f"{name}[{b}] {tensor}: shape {shape!r} is not a list of non-negative ints") from None
+        out.append((names, dtypes, checked))
+    return out
+
+
+def check_payloads(payloads: list[list[Any]] | None, buckets: int, name: str) -> list[list[Any]]:
+    """BadField unless there is one list per bucket of the same non-zero number of per-rank serialized payloads."""
+    if payloads is None or len(payloads) != buckets:
+        raise BadField(f"{name}: cuda-ipc needs one list per bucket ({buckets})")
+    ranks = {len(p) for p in payloads}
+    if len(ranks) != 1 or 0 in ranks:
+        raise BadField(f"{name}: every bucket needs the same non-zero number of per-rank payloads")
+    for item in (item for p in payloads for item in p):
+        if not isinstance(item, (bytes, bytearray, memoryview)) or not 0 < len(item) <= MAX_PAYLOAD_BYTES:
+            raise BadField(f"{name}: each must be 1 to {MAX_PAYLOAD_BYTES} bytes")
+    return payloads
 
 
 def flatten(bucket: Named) -> torch.Tensor:
@@ -114,7 +161,7 @@ def flatten(bucket: Named) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def views(flat: torch.Tensor, meta: tuple[list[str], list[str], list[list[int]]]) -> Named:
+def views(flat: torch.Tensor, meta: Meta) -> Named:
     """The bucket's tensors as views of a buffer laid out by flatten(), in bucket_meta's order."""
     out, offset = [], 0
     for name, dtype, shape in zip(*meta, strict=True):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
 import time
@@ -11,7 +10,9 @@ from typing import Any
 
 import zmq
 
-from qurl.protocol import Message, ProtocolError, ReplayGuard, decode, encode
+from qurl.config import is_loopback_host
+from qurl.frames import ProtocolError, ReplayGuard
+from qurl.protocol import Message, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +24,7 @@ def is_loopback(endpoint: str) -> bool:
         return True
     if scheme != "tcp":
         return False
-    host = rest.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # "*", an interface name or a DNS name: not provably local
-        return False
+    return is_loopback_host(rest.rsplit(":", 1)[0])
 
 
 def _socket(ctx: zmq.Context, kind: int, max_bytes: int, hwm: int) -> zmq.Socket:

@@ -8,12 +8,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import zmq
 
 from qurl import books, protocol
+from qurl.frames import ProtocolError
 from qurl.config import get, run_dir
 from qurl.data import Example, PromptDataset
 from qurl.evaluate import EvalSet
@@ -68,6 +69,12 @@ class EvalRun:
     version: int
     texts: list[list[str]]
     left: int
+
+
+class EvalPrompt(NamedTuple):
+    """Engine request id of held-out prompt `index` of an EvalRun; a training group's request id is its draw index."""
+
+    index: int
 
 
 def stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
@@ -251,10 +258,10 @@ class RolloutLoop:
             self.admission.admit()
             self.counters["admitted"] += 1
 
-    def _finish(self, finished: list[tuple[int, int, EngineSample]]) -> None:
+    def _finish(self, finished: list[tuple[int | EvalPrompt, int, EngineSample]]) -> None:
         for rid, index, sample in finished:
-            if rid < 0:
-                self._finish_eval(-rid - 1, sample)
+            if isinstance(rid, EvalPrompt):
+                self._finish_eval(rid.index, sample)
                 continue
             group = self.running[rid]
             group.samples[index] = sample
@@ -286,7 +293,7 @@ class RolloutLoop:
                                               reward=r.reward, finish_reason=s.finish_reason,
                                               reward_details=_details(r))
                               for s, r in zip(group.samples, rewards)))
-        except protocol.ProtocolError as exc:  # an engine output the wire refuses (e.g. a NaN logprob)
+        except ProtocolError as exc:  # an engine output the wire refuses (e.g. a NaN logprob)
             self.counters["bad_groups"] += 1
             log.error("dropped group %s: %s", group.group_id, exc)
             return
@@ -295,7 +302,7 @@ class RolloutLoop:
     # -- weights and control ------------------------------------------------------------------
 
     def _start_eval(self) -> None:
-        """Queue the eval prompts (request ids < 0) once the engine holds the requested version."""
+        """Queue the eval prompts (request ids EvalPrompt(i)) once the engine holds the requested version."""
         if self.eval_wanted is None or self.eval_run is not None or self.engine.version < self.eval_wanted:
             return
         self.eval_wanted = None
@@ -304,7 +311,7 @@ class RolloutLoop:
         for i, prompt in enumerate(self.eval_set.prompt_ids):
             request = GenRequest(prompt_ids=prompt, n=self.eval_k, **self.eval_sampling,
                                  stop_token_ids=self.stop_ids, seed=i)
-            self.engine.add_request(request, -i - 1)
+            self.engine.add_request(request, EvalPrompt(i))
         self.eval_run = EvalRun(self.engine.version, [[] for _ in self.eval_set.prompt_ids],
                                 len(self.eval_set) * self.eval_k)
         log.info("evaluating version %d on %d held-out prompts", self.engine.version, len(self.eval_set))

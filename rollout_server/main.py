@@ -18,6 +18,7 @@ from qurl.config import get
 from qurl.data import DatasetError
 from qurl.evaluate import load_eval_set, load_prompts
 from qurl.layout import REPLACES_ENV
+from qurl.protocol import CONTROL_MAX_BYTES, TRAJECTORY_MAX_BYTES, WEIGHTS_MAX_BYTES
 from qurl.quant import scheme_for
 from qurl.rewards import RewardError, RewardPool
 from rollout_server.admission import Admission
@@ -26,9 +27,6 @@ from rollout_server.loop import RolloutLoop, Sockets, stop_token_ids
 from rollout_server.weight_refs import join_update_group
 
 PROG = "qurl-rollout-server"
-TRAJECTORY_MAX_BYTES = 64 << 20  # a group: prompt + n responses, far below this
-CONTROL_MAX_BYTES = 1 << 20
-WEIGHTS_MAX_BYTES = 1 << 40  # a full push of a large model; the HMAC and shape checks still apply
 DATA_SEED_STRIDE = 1_000_003  # replica i shuffles prompts with seed run.seed + i * this: servers draw different prompts
 
 log = logging.getLogger("rollout_server")

@@ -12,7 +12,8 @@ import time
 from typing import Any, Callable
 
 from qurl import delta
-from qurl.protocol import ProtocolError, WeightPush
+from qurl.frames import ProtocolError
+from qurl.protocol import WeightPush
 
 log = logging.getLogger("rollout_server")
 

@@ -24,7 +24,8 @@ from learner.budget import Budget
 from learner.control_plane import ControlPlane
 from learner.weight_sender import WeightSender
 from qurl import delta, sglang_payload, transport
-from qurl.protocol import BadField, BadFrame, Status, WeightPush, decode, encode, from_torch
+from qurl.frames import BadField, BadFrame, from_torch
+from qurl.protocol import Status, WeightPush, decode, encode
 from qurl.quant import quantize_state_dict
 from rollout_server.engines import GenRequest, load_engine
 from rollout_server.engines import sglang_engine as se

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from qurl.protocol import (
+from qurl.frames import (
     BUCKET_ALIGN,
     DTYPES,
     MAX_HEADER_BYTES,
@@ -20,18 +20,13 @@ from qurl.protocol import (
     ProtocolError,
     Replay,
     ReplayGuard,
-    Sample,
-    Status,
     TooLarge,
-    TrajectoryGroup,
-    WeightPush,
     WireTensor,
-    _mac,
-    decode,
-    encode,
     from_torch,
+    mac,
     to_torch,
 )
+from qurl.protocol import Sample, Status, TrajectoryGroup, WeightPush, decode, encode
 
 SECRET = b"test-secret"
 MAX = 1 << 24
@@ -123,7 +118,7 @@ def rebuild(frames, header=None, payload=None, secret=None) -> list[bytes]:
         h["auth"] = "hmac-sha256"
     out = [json.dumps(h).encode(), *body]
     if secret:
-        out.append(_mac(secret, out))
+        out.append(mac(secret, out))
     return out
 
 
@@ -437,7 +432,7 @@ def test_authentication():
     h["auth"] = None
     unsigned_header = rebuild(signed, header=h)
     with pytest.raises(BadAuth, match="does not declare"):
-        dec([*unsigned_header, _mac(SECRET, unsigned_header)], secret=SECRET)
+        dec([*unsigned_header, mac(SECRET, unsigned_header)], secret=SECRET)
     # a receiver without a secret still accepts a signed message (it simply cannot check it)
     assert_group_equal(dec(signed), g)
 

@@ -13,6 +13,7 @@ from learner import push_transport
 from learner.control_plane import SERVER_GONE_S, ServerInfo
 from qurl import protocol, transport
 from qurl.config import ConfigError, load_config
+from qurl.frames import BadAuth, BadField, BadFrame
 from qurl.layout import plan
 from qurl.protocol import Status, WeightRef
 
@@ -70,10 +71,10 @@ def test_weight_ref_round_trips_with_hmac_and_strict_decoding():
     assert got.buckets[0] == (META[0], META[1], META[2]) and got.payloads[1] == [b"rank0-b1", b"rank1-b1"]
     tampered = list(frames)
     tampered[2] = bytes(b"x" * len(bytes(tampered[2])))
-    with pytest.raises(protocol.BadAuth):
+    with pytest.raises(BadAuth):
         protocol.decode(tampered, secret=b"key", max_bytes=1 << 20)
     unsigned = protocol.encode(ref, sender="learner", session="s", seq=1)
-    with pytest.raises(protocol.BadFrame):  # a payload frame left out
+    with pytest.raises(BadFrame):  # a payload frame left out
         protocol.decode(unsigned[:-1], secret=None, max_bytes=1 << 20)
     nccl = WeightRef(version=1, scheme="none", transport="nccl", buckets=[(["w"], ["bfloat16"], [(4, 4)])])
     back = protocol.decode(protocol.encode(nccl, sender="l", session="s", seq=0), secret=None, max_bytes=1 << 20)
@@ -95,7 +96,7 @@ def test_weight_ref_refuses_bad_fields(kwargs, fragment):
     fields = dict(version=1, scheme="none", transport="cuda-ipc", buckets=[(["w"], ["float32"], [[2]])],
                   payloads=[[b"p"]])
     fields.update(kwargs)
-    with pytest.raises(protocol.BadField, match=fragment):
+    with pytest.raises(BadField, match=fragment):
         WeightRef(**fields)
 
 

@@ -23,7 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from qurl import transport
 from qurl.protocol import Sample as ProtoSample
-from qurl.protocol import Status, TrajectoryGroup, WeightPush, encode, from_torch, to_torch
+from qurl.frames import from_torch, to_torch
+from qurl.protocol import Status, TrajectoryGroup, WeightPush, encode
 from qurl.quant import quantize_state_dict
 from qurl.rewards import arith_reward
 from rollout_server.engines import load_engine

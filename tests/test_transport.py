@@ -16,16 +16,8 @@ import torch
 import zmq
 
 from qurl import transport
-from qurl.protocol import (
-    Sample,
-    Status,
-    TrajectoryGroup,
-    WeightPush,
-    _mac,
-    encode,
-    from_torch,
-    to_torch,
-)
+from qurl.frames import from_torch, mac, to_torch
+from qurl.protocol import Sample, Status, TrajectoryGroup, WeightPush, encode
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = b"transport-secret"
@@ -179,7 +171,7 @@ def _signed(frames_edit, seq):
     frames = [bytes(memoryview(f).cast("B"))
               for f in encode(group(), sender="fuzz", session="f1", seq=seq, secret=SECRET)][:-1]
     frames = frames_edit(frames)
-    return [*frames, _mac(SECRET, frames)]
+    return [*frames, mac(SECRET, frames)]
 
 
 def _lie_about_shape(frames):

@@ -285,7 +285,7 @@ class SGLangEngine:
     def from_pretrained(cls, path: str, quant: str = "int8", dtype: str = "bfloat16", device: str = "cuda",
                         max_batch: int = 64, max_seq_len: int = 2048, tp_size: int = 1, gpus: list[int] | None = None,
                         seed: int = 0, mem_fraction: float | None = None, server_args: dict[str, Any] | None = None,
-                        bucket_bytes: int = payload.DEFAULT_BUCKET_BYTES) -> "SGLangEngine":
+                        bucket_bytes: int = payload.UPDATE_BUCKET_BYTES) -> "SGLangEngine":
         """Start SGLang on `gpus` (default: tp_size GPUs from device "cuda:N"), then load version 0."""
         require_sglang()
         scheme = quant if quant != "fp8" else "fp8-block"
