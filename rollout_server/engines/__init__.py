@@ -26,8 +26,8 @@ class GenRequest:
 
 
 @dataclass
-class Sample:
-    """One response: a stop token, when hit, is its last token; versions say which weights made each token."""
+class Completion:
+    """One sampled response: a stop token, when hit, is its last token; versions say which weights made each token."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -39,7 +39,7 @@ class Sample:
 class GenResult:
     """The `n` samples of one request, in sample order."""
 
-    samples: list[Sample]
+    samples: list[Completion]
 
 
 def check_names(expected: Iterable[str], names: Iterable[str], partial: bool) -> None:
@@ -59,7 +59,7 @@ def run_to_completion(engine, requests: list[GenRequest]) -> list[GenResult]:
     """`generate` of every engine: drive its add_request/step API until each request has all n samples."""
     if engine.has_work():
         raise RuntimeError("generate() needs an idle engine; drive add_request()/step() instead")
-    out: list[list[Sample | None]] = [[None] * req.n for req in requests]
+    out: list[list[Completion | None]] = [[None] * req.n for req in requests]
     for i, req in enumerate(requests):
         engine.add_request(req, i)
     while engine.has_work():

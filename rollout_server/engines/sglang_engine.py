@@ -24,7 +24,7 @@ import torch
 from qurl import delta
 from qurl import sglang_payload as payload
 from qurl.quant import FP8_BLOCK, INT8, SCALE_SUFFIXES, SCHEMES, is_quantized_linear, quantize_state_dict
-from rollout_server.engines import GenRequest, GenResult, Sample, check_names, run_to_completion
+from rollout_server.engines import Completion, GenRequest, GenResult, check_names, run_to_completion
 from rollout_server.engines.sglang_fp8_loader import LOADER_PATH as FP8_LOADER_PATH
 from rollout_server.engines.sglang_int8_loader import LOADER_PATH
 
@@ -192,8 +192,8 @@ def token_versions(meta: dict[str, Any], num_tokens: int) -> list[int]:
     return versions  # type: ignore[return-value]
 
 
-def parse_output(out: dict[str, Any]) -> Sample:
-    """One SGLang result dict -> Sample; tokens and logprobs come from meta_info.output_token_logprobs."""
+def parse_output(out: dict[str, Any]) -> Completion:
+    """One SGLang result dict -> Completion; tokens and logprobs come from meta_info.output_token_logprobs."""
     meta = out["meta_info"]
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else finish
@@ -203,7 +203,7 @@ def parse_output(out: dict[str, Any]) -> Sample:
     if any(lp is None for lp, _, _ in triples):
         raise ValueError("sglang returned a token without a logprob; requests must set return_logprob")
     tokens = [int(tok) for _, tok, _ in triples]
-    return Sample(token_ids=tokens, logprobs=[float(lp) for lp, _, _ in triples],
+    return Completion(token_ids=tokens, logprobs=[float(lp) for lp, _, _ in triples],
                   versions=token_versions(meta, len(tokens)), finish_reason=kind)
 
 
@@ -354,7 +354,7 @@ class SGLangEngine:
         return bool(self._tasks)
 
     def add_request(self, req: GenRequest, request_id: Hashable) -> None:
-        """Queue a request; its n samples come back together from step() as (request_id, index, Sample)."""
+        """Queue a request; its n samples come back together from step() as (request_id, index, Completion)."""
         if request_id in self._in_flight:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if not req.prompt_ids or req.n < 1 or req.max_new_tokens < 1:
@@ -364,13 +364,13 @@ class SGLangEngine:
         self._tasks[task] = (request_id, req.n)
         self._in_flight.add(request_id)
 
-    def step(self) -> list[tuple[Hashable, int, Sample]]:
+    def step(self) -> list[tuple[Hashable, int, Completion]]:
         """Let SGLang run until some request finishes (or POLL_S passes); return the finished samples."""
         if not self._tasks:
             return []
         done, _ = self._loop.run_until_complete(
             asyncio.wait(list(self._tasks), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED))
-        finished: list[tuple[Hashable, int, Sample]] = []
+        finished: list[tuple[Hashable, int, Completion]] = []
         for task in done:
             request_id, n = self._tasks.pop(task)
             self._in_flight.discard(request_id)

@@ -15,7 +15,7 @@ import torch
 
 from qurl import delta
 from qurl.quant import Scheme, quantize_state_dict
-from rollout_server.engines import GenRequest, GenResult, Sample, check_names, run_to_completion
+from rollout_server.engines import Completion, GenRequest, GenResult, check_names, run_to_completion
 from rollout_server.engines.model import ModelConfig, Transformer, load_safetensors
 from rollout_server.engines.sampling import sample
 
@@ -115,7 +115,7 @@ class TorchEngine:
         return bool(self._active or self._waiting)
 
     def add_request(self, req: GenRequest, request_id: Hashable) -> None:
-        """Queue a request; its samples come back from step() as (request_id, sample index, Sample)."""
+        """Queue a request; its samples come back from step() as (request_id, sample index, Completion)."""
         self._check(req)
         if request_id in self._remaining:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -146,9 +146,9 @@ class TorchEngine:
         return run_to_completion(self, requests)
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[Hashable, int, Sample]]:
+    def step(self) -> list[tuple[Hashable, int, Completion]]:
         """Admit waiting samples into free slots (prefill), then decode one token for every active sequence."""
-        finished: list[tuple[Hashable, int, Sample]] = []
+        finished: list[tuple[Hashable, int, Completion]] = []
         done: list[tuple[int, str]] = []  # (slot, finish reason)
         while self._waiting and len(self._active) < self.max_batch:
             self._admit(done)
@@ -207,11 +207,11 @@ class TorchEngine:
             if reason is not None:
                 done.append((first_slot + i, reason))
 
-    def _release(self, done: list[tuple[int, str]], finished: list[tuple[Hashable, int, Sample]]) -> None:
+    def _release(self, done: list[tuple[int, str]], finished: list[tuple[Hashable, int, Completion]]) -> None:
         """Hand back finished sequences; move the last active sequence into each freed slot."""
         for slot, reason in sorted(done, reverse=True):
             s = self._active[slot]
-            finished.append((s.request_id, s.index, Sample(s.tokens, s.logprobs, s.versions, reason)))
+            finished.append((s.request_id, s.index, Completion(s.tokens, s.logprobs, s.versions, reason)))
             last = len(self._active) - 1
             if slot != last:
                 moved = self._active[last]
