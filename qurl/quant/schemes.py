@@ -57,7 +57,7 @@ FP8_CHANNEL = Scheme("fp8-channel", FP8_DTYPE, "_scale", _fp8_rows, dequantize_f
 FP8_BLOCK = Scheme("fp8-block", FP8_DTYPE, "_scale_inv", _fp8_blocks, dequantize_fp8, block=FP8_BLOCK_SIZE,
                    sglang=True)
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (NONE, INT8, FP8_CHANNEL, FP8_BLOCK)}
-FP8_GRANULARITY = {"channel": FP8_CHANNEL, "block": FP8_BLOCK}  # quant.fp8_granularity -> scheme of rollout.quant=fp8
+FP8_BY_GRANULARITY = {"channel": FP8_CHANNEL, "block": FP8_BLOCK}  # rollout.quant=fp8: quant.fp8_granularity -> scheme
 ALIASES = {"fp8": FP8_BLOCK.name}  # rollout.quant=fp8 at the default granularity, as load_engine takes it
 QUANT_SETTINGS = (NONE.name, INT8.name, *ALIASES)  # the values of rollout.quant
 CODE_DTYPES = tuple(dict.fromkeys(s.code_dtype for s in SCHEMES.values() if s.code_dtype is not None))
@@ -76,9 +76,10 @@ def lookup(name: str) -> Scheme:
 def scheme_for(quant: str, fp8_granularity: str = "block") -> str:
     """Map the config pair (rollout.quant, quant.fp8_granularity) to a scheme name."""
     if quant in ALIASES:
-        if fp8_granularity not in FP8_GRANULARITY:
-            raise ValueError(f"quant.fp8_granularity must be one of {tuple(FP8_GRANULARITY)}, got {fp8_granularity!r}")
-        return FP8_GRANULARITY[fp8_granularity].name
+        if fp8_granularity not in FP8_BY_GRANULARITY:
+            raise ValueError(f"quant.fp8_granularity must be one of {tuple(FP8_BY_GRANULARITY)}, "
+                             f"got {fp8_granularity!r}")
+        return FP8_BY_GRANULARITY[fp8_granularity].name
     if quant not in QUANT_SETTINGS:
         raise ValueError(f"rollout.quant must be one of {QUANT_SETTINGS}, got {quant!r}")
     return quant

@@ -280,12 +280,9 @@ class SGLangEngine:
                         max_batch: int = 64, max_seq_len: int = 2048, tp_size: int = 1, gpus: list[int] | None = None,
                         seed: int = 0, mem_fraction: float | None = None, server_args: dict[str, Any] | None = None,
                         bucket_bytes: int = payload.DEFAULT_BUCKET_BYTES) -> "SGLangEngine":
-        """Start SGLang on `gpus` (default: tp_size GPUs from device "cuda:N"), then load version 0.
-
-        `quant` is a scheme name (load_engine resolves aliases); engine_args refuses one SGLang cannot refit.
-        """
+        """Start SGLang on `gpus` (default: tp_size GPUs from device "cuda:N"), then load version 0."""
         require_sglang()
-        scheme = quant
+        scheme = quant  # a scheme name (load_engine resolved any alias); engine_args refuses what SGLang cannot refit
         if device == "cpu":
             if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
                 raise ValueError("rollout.engine=sglang with rollout.device=cpu needs SGLANG_USE_CPU_ENGINE=1 (SGLang's "
