@@ -20,9 +20,8 @@ import torch
 from qurl.delta_names import DELTA_INDEX, DELTA_MASK, DELTA_VALUES
 from qurl.frames import BadFrame, ProtocolError, WireTensor, from_torch, to_torch
 from qurl.protocol import WeightPush
+from qurl.quant import CODE_DTYPES, SCALE_SUFFIXES
 
-CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
-SCALE_SUFFIXES = ("_scale", "_scale_inv")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # compare bit patterns, not values
 
 

@@ -16,11 +16,9 @@ from typing import Any
 import torch
 
 from qurl.frames import BadField, BadFrame, check_shape, check_str
-from qurl.quant import is_quantized_linear
+from qurl.quant import SCALE_SUFFIXES, SCHEMES, is_quantized_linear
 
-FP8_BLOCK = 128
-SCALE_SUFFIX = {"none": None, "int8": "_scale", "fp8-block": "_scale_inv"}
-CODE_DTYPE = {"int8": torch.int8, "fp8-block": torch.float8_e4m3fn}
+REFIT = tuple(name for name, s in SCHEMES.items() if s.sglang)  # the schemes SGLang refits in place
 UPDATE_BUCKET_BYTES = 256 << 20  # one SGLang weight update: a flattened CUDA buffer or one NCCL broadcast
 GROUP_NAME = "qurl-weights"  # the weight-update process group of learner rank 0 and the replicas
 # tensor dtypes bucket metadata may name (torch names, as SGLang's receivers take them)
@@ -33,23 +31,16 @@ Meta = tuple[list[str], list[str], list[list[int]]]  # one bucket's (names, dtyp
 
 def check_scheme(scheme: str) -> None:
     """SGLang refits block FP8 in place, INT8 through our loader, and full precision as is; nothing else."""
-    if scheme not in SCALE_SUFFIX:
-        raise ValueError(f"scheme {scheme!r} has no SGLang refit; use one of {', '.join(SCALE_SUFFIX)} "
+    if scheme not in REFIT:
+        raise ValueError(f"scheme {scheme!r} has no SGLang refit; use one of {', '.join(REFIT)} "
                          "(FP8 on SGLang is block 128x128: quant.fp8_granularity=block)")
-
-
-def scale_shape(scheme: str, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of the scale SGLang keeps next to a quantized [N, K] weight."""
-    n, k = weight_shape
-    if scheme == "int8":
-        return (n, 1)
-    return (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
 
 
 def named_tensors(tensors: Mapping[str, torch.Tensor], scheme: str) -> Named:
     """The (name, tensor) list SGLang loads for `scheme`, after checking codes, scales and their pairing."""
     check_scheme(scheme)
-    suffix = SCALE_SUFFIX[scheme]
+    record = SCHEMES[scheme]
+    suffix, code_dtype = record.scale_suffix, record.code_dtype
     for name, t in tensors.items():
         if suffix and name.endswith(suffix) and is_quantized_linear(name[: -len(suffix)]):
             if name[: -len(suffix)] not in tensors:
@@ -57,10 +48,10 @@ def named_tensors(tensors: Mapping[str, torch.Tensor], scheme: str) -> Named:
             continue
         if not is_quantized_linear(name) or suffix is None:
             continue
-        if t.dim() != 2 or t.dtype != CODE_DTYPE[scheme]:
-            raise ValueError(f"{name}: {scheme} weight must be 2-D {CODE_DTYPE[scheme]}, got {t.dtype} {tuple(t.shape)}")
+        if t.dim() != 2 or t.dtype != code_dtype:
+            raise ValueError(f"{name}: {scheme} weight must be 2-D {code_dtype}, got {t.dtype} {tuple(t.shape)}")
         scale = tensors.get(name + suffix)
-        want = scale_shape(scheme, tuple(t.shape))
+        want = record.scale_shape(tuple(t.shape))
         if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != want:
             got = "missing" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
             raise ValueError(f"{name + suffix}: need float32 {want} for {scheme}, got {got}")
@@ -72,7 +63,7 @@ def _units(named: Named) -> list[Named]:
     position = {name: i for i, (name, _) in enumerate(named)}
     owner: dict[str, str] = {}
     for name, _ in named:
-        for suffix in ("_scale", "_scale_inv"):
+        for suffix in SCALE_SUFFIXES:
             if name.endswith(suffix) and name[: -len(suffix)] in position:
                 owner[name] = name[: -len(suffix)]
     units: dict[str, Named] = {}

@@ -22,8 +22,7 @@ from qurl.protocol import Status, TrajectoryGroup, WeightPush, WeightRef
 from qurl.rewards import RewardPool, RewardResult
 from qurl.transport import Receiver, Sender
 from rollout_server.admission import Admission
-from rollout_server.engines import GenRequest
-from rollout_server.engines import Sample as EngineSample
+from rollout_server.engines import Completion, GenRequest
 from rollout_server.weight_refs import apply_ref
 from rollout_server.weights import WeightReceiver
 
@@ -58,7 +57,7 @@ class Group:
 
     group_id: str
     example: Example
-    samples: list[Optional[EngineSample]]
+    samples: list[Optional[Completion]]
     left: int
 
 
@@ -258,7 +257,7 @@ class RolloutLoop:
             self.admission.admit()
             self.counters["admitted"] += 1
 
-    def _finish(self, finished: list[tuple[int | EvalPrompt, int, EngineSample]]) -> None:
+    def _finish(self, finished: list[tuple[int | EvalPrompt, int, Completion]]) -> None:
         for rid, index, sample in finished:
             if isinstance(rid, EvalPrompt):
                 self._finish_eval(rid.index, sample)
@@ -316,7 +315,7 @@ class RolloutLoop:
                                 len(self.eval_set) * self.eval_k)
         log.info("evaluating version %d on %d held-out prompts", self.engine.version, len(self.eval_set))
 
-    def _finish_eval(self, i: int, sample: EngineSample) -> None:
+    def _finish_eval(self, i: int, sample: Completion) -> None:
         run = self.eval_run
         run.texts[i].append(self.tokenizer.decode(sample.token_ids, skip_special_tokens=True))
         run.left -= 1

@@ -13,7 +13,7 @@ from qurl.quant import (
     quantize_state_dict,
 )
 from rollout_server.engines import GenRequest, load_engine
-from rollout_server.engines.linear import Linear, int8_matmul
+from rollout_server.engines.linear import LINEARS, Int8Linear, int8_matmul
 from test_engine import DEVICE, PROMPTS, build_model, teacher_forced
 
 SCHEMES = ("int8", "fp8-channel", "fp8-block")
@@ -98,7 +98,7 @@ def test_fused_linear_matches_plain_math(scheme, dtype):
         tensors[p + ".weight"] = torch.randn(n, k, generator=g) * 0.05
         tensors[p + ".bias"] = torch.randn(n, generator=g)
     q = quantize_state_dict(tensors, scheme)
-    lin = Linear(prefixes, q, scheme, dtype, torch.device(DEVICE))
+    lin = LINEARS[scheme](prefixes, q, dtype, torch.device(DEVICE))
     assert set(lin.named) == set(q)
     x = torch.randn(5, k, generator=g).to(device=DEVICE, dtype=dtype)
     w = torch.cat([dequantize_state_dict(q, scheme)[p + ".weight"] for p in prefixes]).to(DEVICE)
@@ -112,13 +112,19 @@ def test_fused_linear_matches_plain_math(scheme, dtype):
         assert lin._scaled_mm_ok  # the torch._scaled_mm path ran, not the dequantizing fallback
 
 
+def test_every_scheme_has_its_linear_class():
+    from qurl.quant import SCHEMES as registry
+
+    assert set(LINEARS) == set(registry) and all(cls.scheme is registry[name] for name, cls in LINEARS.items())
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the oneDNN prepacked int8 path is CPU-only")
 def test_cpu_prepacked_int8_equals_int_mm():
     """The prepacked oneDNN path (uint8 activations, zero point 128) computes the same exact int32 sums."""
     g = torch.Generator().manual_seed(1)
     prefixes = ["model.layers.0.self_attn.o_proj"]
     q = quantize_state_dict({prefixes[0] + ".weight": torch.randn(96, 160, generator=g) * 0.05}, "int8")
-    lin = Linear(prefixes, q, "int8", torch.float32, torch.device("cpu"))
+    lin = Int8Linear(prefixes, q, torch.float32, torch.device("cpu"))
     assert lin.packed is not None
     for m in (1, 7, 64):
         x = torch.randn(m, 160, generator=g) * 3

@@ -8,11 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qurl.quant import (
+    CODE_DTYPES,
+    SCALE_SUFFIXES,
+    SCHEMES,
     changed_fraction,
     dequantize_fp8,
     dequantize_int8,
     dequantize_state_dict,
     is_quantized_linear,
+    lookup,
     quantize_fp8,
     quantize_int8,
     quantize_state_dict,
@@ -227,6 +231,22 @@ def test_scheme_for():
         scheme_for("int4", "block")
     with pytest.raises(ValueError, match="fp8_granularity"):
         scheme_for("fp8", "tensor")
+
+
+def test_scheme_registry_records_what_quantize_state_dict_writes():
+    """Each record's code dtype, scale name and scale shape are those of its quantized state dict; 'fp8' is block."""
+    assert lookup("fp8") is SCHEMES["fp8-block"] and lookup("int8") is SCHEMES["int8"]
+    with pytest.raises(ValueError, match="unknown quant 'int4'"):
+        lookup("int4")
+    assert CODE_DTYPES == (torch.int8, FP8) and SCALE_SUFFIXES == ("_scale", "_scale_inv")
+    name = "model.layers.0.mlp.up_proj.weight"
+    for scheme in SCHEMES.values():
+        q = quantize_state_dict({name: _weight(200, 130)}, scheme.name)
+        if scheme.code_dtype is None:
+            assert set(q) == {name} and scheme.scale_suffix is None
+            continue
+        assert set(q) == {name, name + scheme.scale_suffix} and q[name].dtype == scheme.code_dtype
+        assert tuple(q[name + scheme.scale_suffix].shape) == scheme.scale_shape((200, 130))
 
 
 def test_changed_fraction():

@@ -1,11 +1,13 @@
-"""Rollout engines behind one interface: `load_engine` plus the request/result records."""
+"""Rollout engines behind one interface: `load_engine` (where the engine settings are checked) plus the request and
+result records."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
+from qurl.quant import lookup
+
 ENGINES = ("torch", "sglang")
-QUANTS = ("none", "int8", "fp8", "fp8-channel", "fp8-block")
 DTYPES = ("float32", "bfloat16", "float64")  # float64: parity checks against a reference, not for rollout
 
 
@@ -24,8 +26,8 @@ class GenRequest:
 
 
 @dataclass
-class Sample:
-    """One response: a stop token, when hit, is its last token; versions say which weights made each token."""
+class Completion:
+    """One sampled response: a stop token, when hit, is its last token; versions say which weights made each token."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -37,7 +39,7 @@ class Sample:
 class GenResult:
     """The `n` samples of one request, in sample order."""
 
-    samples: list[Sample]
+    samples: list[Completion]
 
 
 def check_names(expected: Iterable[str], names: Iterable[str], partial: bool) -> None:
@@ -57,7 +59,7 @@ def run_to_completion(engine, requests: list[GenRequest]) -> list[GenResult]:
     """`generate` of every engine: drive its add_request/step API until each request has all n samples."""
     if engine.has_work():
         raise RuntimeError("generate() needs an idle engine; drive add_request()/step() instead")
-    out: list[list[Sample | None]] = [[None] * req.n for req in requests]
+    out: list[list[Completion | None]] = [[None] * req.n for req in requests]
     for i, req in enumerate(requests):
         engine.add_request(req, i)
     while engine.has_work():
@@ -89,8 +91,7 @@ def load_engine(
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; allowed: {', '.join(ENGINES)}")
-    if quant not in QUANTS:
-        raise ValueError(f"unknown quant {quant!r}; allowed: {', '.join(QUANTS)}")
+    scheme = lookup(quant)  # the one check of the quant setting; everything below takes the record
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     if weight_bits != 8 and engine != "torch":
@@ -99,12 +100,12 @@ def load_engine(
         from rollout_server.engines.sglang_engine import SGLangEngine
 
         return SGLangEngine.from_pretrained(
-            model_path, quant=quant, dtype=dtype, device=device, max_batch=max_batch, max_seq_len=max_seq_len,
+            model_path, quant=scheme.name, dtype=dtype, device=device, max_batch=max_batch, max_seq_len=max_seq_len,
             tp_size=tp_size, gpus=gpus, mem_fraction=mem_fraction, seed=seed, server_args=server_args,
         )
     if tp_size != 1:
         raise ValueError(f"rollout.tp_size={tp_size} needs rollout.engine=sglang; the torch engine runs on one device")
     from rollout_server.engines.torch_engine import TorchEngine
 
-    return TorchEngine.from_pretrained(model_path, quant=quant, dtype=dtype, device=device, max_batch=max_batch,
+    return TorchEngine.from_pretrained(model_path, scheme, dtype=dtype, device=device, max_batch=max_batch,
                                        max_seq_len=max_seq_len, weight_bits=weight_bits)

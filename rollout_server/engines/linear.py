@@ -1,18 +1,18 @@
-"""Linear layers over exactly the buffers `qurl.quant.quantize_state_dict` produces (fp, INT8 W8A8, FP8).
+"""Linear layers over exactly the buffers `qurl.quant.quantize_state_dict` produces: one class per scheme.
 
-One `Linear` runs one matmul for one or more Hugging Face projections that read the same input
+One linear runs one matmul for one or more Hugging Face projections that read the same input
 (q/k/v, gate/up): their weights live in one fused storage, and each HF name maps to a row-slice
 view of it, so that an in-place copy into a named tensor updates the fused matmul operand.
+`LINEARS` maps each scheme of `qurl.quant.SCHEMES` to its class (as gpt-fast's quantize.py swaps in
+WeightOnlyInt8Linear), so a call runs its scheme's kernel without asking which scheme it is.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from qurl.quant import quantize_fp8, quantize_int8
+from qurl.quant import FP8_BLOCK, FP8_CHANNEL, INT8, NONE, Scheme, expand_blocks, quantize_fp8, quantize_int8
 
-SCHEMES = ("none", "int8", "fp8-channel", "fp8-block")
-FP8_BLOCK = 128
 _CUDA_INT_MM_MIN_M = 17  # cuBLAS int8 GEMM in torch._int_mm needs more than 16 rows
 _ONEDNN = torch.backends.mkldnn.is_available()
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if _ONEDNN else None
@@ -26,25 +26,17 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
-class Linear:
-    """y = x W^T (+ b) for the concatenated output rows of `prefixes`; quantized per `scheme`."""
+class FusedLinear:
+    """The fused weight (and bias) of `prefixes` with a named view per HF tensor; subclasses add scales and matmul."""
 
-    def __init__(
-        self,
-        prefixes: list[str],
-        tensors: dict[str, torch.Tensor],
-        scheme: str,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        if scheme not in SCHEMES:
-            raise ValueError(f"unknown quantization scheme {scheme!r}; allowed: {', '.join(SCHEMES)}")
-        self.scheme = scheme
+    scheme: Scheme
+
+    def __init__(self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.sizes = [tensors[p + ".weight"].shape[0] for p in prefixes]
-        weight_dtype = dtype if scheme == "none" else tensors[prefixes[0] + ".weight"].dtype
+        weight_dtype = dtype if self.scheme.code_dtype is None else tensors[prefixes[0] + ".weight"].dtype
         self.weight = _fuse([tensors[p + ".weight"] for p in prefixes], weight_dtype, device)
         self.named: dict[str, torch.Tensor] = _views(self.weight, prefixes, ".weight", self.sizes)
-
         self.bias = None
         has_bias = [p + ".bias" in tensors for p in prefixes]
         if any(has_bias):
@@ -53,39 +45,55 @@ class Linear:
             self.bias = _fuse([tensors[p + ".bias"] for p in prefixes], dtype, device)
             self.named.update(_views(self.bias, prefixes, ".bias", self.sizes))
 
-        self.scale = None  # fp32 [N, 1] dequantizing multiplier per output row
-        self.block_scales: list[torch.Tensor] = []  # fp8-block: one [ceil(n/128), ceil(k/128)] per part
-        if scheme in ("int8", "fp8-channel"):
-            self.scale = _fuse([tensors[p + ".weight_scale"] for p in prefixes], torch.float32, device)
-            self.scale_t = self.scale.t()  # [1, N] view, stays valid across in-place updates
-            self.named.update(_views(self.scale, prefixes, ".weight_scale", self.sizes))
-        # CPU int8: a oneDNN-prepacked copy of the codes, about 2x faster than torch._int_mm at decode shapes
+    def repack(self) -> None:
+        """Rebuild copies derived from the named buffers after they were written in place (none here)."""
+
+    def _add_bias(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The tail every quantized matmul shares: back to the model dtype, then the bias."""
+        out = out.to(x.dtype)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class DenseLinear(FusedLinear):
+    """y = x W^T (+ b) in the model dtype."""
+
+    scheme = NONE
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.weight, self.bias)
+
+
+class _RowScaled(FusedLinear):
+    """A quantized linear with one fp32 scale per output row: `X.weight_scale` [n, 1], fused to [N, 1]."""
+
+    def __init__(self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(prefixes, tensors, dtype, device)
+        suffix = ".weight" + self.scheme.scale_suffix
+        self.scale = _fuse([tensors[p + suffix] for p in prefixes], torch.float32, device)
+        self.scale_t = self.scale.t()  # [1, N] view, stays valid across in-place updates
+        self.named.update(_views(self.scale, prefixes, suffix, self.sizes))
+
+
+class Int8Linear(_RowScaled):
+    """W8A8: per-token int8 activations times per-channel int8 codes, exact int32 sums dequantized in fp32."""
+
+    scheme = INT8
+
+    def __init__(self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(prefixes, tensors, dtype, device)
+        # CPU: a oneDNN-prepacked copy of the codes, about 2x faster than torch._int_mm at decode shapes
         self.packed = None
-        self._onednn = scheme == "int8" and _ONEDNN_QLINEAR and self.weight.device.type == "cpu"
+        self._onednn = _ONEDNN_QLINEAR and self.weight.device.type == "cpu"
         if self._onednn:
             self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
             self.repack()
-        elif scheme == "fp8-block":
-            for p in prefixes:
-                s = tensors[p + ".weight_scale_inv"].to(device=device, dtype=torch.float32, copy=True).contiguous()
-                self.block_scales.append(s)
-                self.named[p + ".weight_scale_inv"] = s
-        self._scaled_mm_ok = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] in the model dtype -> [M, N] in the model dtype."""
-        if self.scheme == "none":
-            return dense_linear(x, self.weight, self.bias)
         if self.packed is not None and x.dtype != torch.float64:
-            out = self._int8_onednn(x)
-        elif self.scheme == "int8":
-            out = int8_matmul(x, self.weight, self.scale_t)
-        elif self.scheme == "fp8-channel":
-            out = self._fp8_channel(x)
-        else:
-            out = self._fp8_block(x)
-        out = out.to(x.dtype)
-        return out if self.bias is None else out.add_(self.bias)
+            return self._add_bias(self._int8_onednn(x), x)
+        return self._add_bias(int8_matmul(x, self.weight, self.scale_t), x)
 
     def repack(self) -> None:
         """Rebuild the prepacked codes from the int8 buffers; needed after they were written in place."""
@@ -95,30 +103,57 @@ class Linear:
     def _int8_onednn(self, x: torch.Tensor) -> torch.Tensor:
         """Same math as int8_matmul: int8 codes shifted to uint8 with zero point 128 (oneDNN's fast s8 path), exact."""
         xq, xs = quantize_int8(x, dim=-1)
-        xu = xq.view(torch.uint8).bitwise_xor_(128)  # v + 128 as uint8 is v's two's-complement bits with the top flipped
-        acc = torch.ops.onednn.qlinear_pointwise(
-            xu, 1.0, 128, self.packed, self.scale.view(-1), self.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
-        )
+        xu = xq.view(torch.uint8).bitwise_xor_(128)  # v + 128 as uint8: v's two's-complement bits, top one flipped
+        acc = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, self.packed, self.scale.view(-1), self.zero_points,
+                                                 None, 1.0, 0, torch.float32, "none", [], "")
         return acc.mul_(xs)
 
-    def _fp8_channel(self, x: torch.Tensor) -> torch.Tensor:
+
+class Fp8ChannelLinear(_RowScaled):
+    """e4m3 codes with per-channel scales, per-token e4m3 activations: torch._scaled_mm on CUDA bf16, else exact."""
+
+    scheme = FP8_CHANNEL
+    _scaled_mm_ok = True  # set False on the instance when torch._scaled_mm refuses its shapes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xq, xs = quantize_fp8(x, "channel")
         if x.is_cuda and x.dtype == torch.bfloat16 and self._scaled_mm_ok:
             try:
-                return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale_t, out_dtype=x.dtype)
+                out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale_t, out_dtype=x.dtype)
+                return self._add_bias(out, x)
             except RuntimeError:  # shapes or build without row-wise fp8 GEMM: use the exact fallback
                 self._scaled_mm_ok = False
         ct = _compute_dtype(x)
         w = self.weight.to(ct).mul_(self.scale)
-        return dense_linear(xq.to(ct).mul_(xs), w)
+        return self._add_bias(dense_linear(xq.to(ct).mul_(xs), w), x)
 
-    def _fp8_block(self, x: torch.Tensor) -> torch.Tensor:
+
+class Fp8BlockLinear(FusedLinear):
+    """e4m3 codes with one scale per 128 x 128 tile of each part (`X.weight_scale_inv`), per-token e4m3 activations."""
+
+    scheme = FP8_BLOCK
+
+    def __init__(self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(prefixes, tensors, dtype, device)
+        suffix = ".weight" + self.scheme.scale_suffix
+        self.block_scales: list[torch.Tensor] = []  # one [ceil(n/128), ceil(k/128)] per part
+        for p in prefixes:
+            s = tensors[p + suffix].to(device=device, dtype=torch.float32, copy=True).contiguous()
+            self.block_scales.append(s)
+            self.named[p + suffix] = s
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xq, xs = quantize_fp8(x, "channel")
         ct = _compute_dtype(x)
         w = self.weight.to(ct)
         for part, s in zip(w.split(self.sizes), self.block_scales):
-            part.mul_(_expand_blocks(s, *part.shape))
-        return dense_linear(xq.to(ct).mul_(xs), w)
+            part.mul_(expand_blocks(s, *part.shape, self.scheme.block))
+        return self._add_bias(dense_linear(xq.to(ct).mul_(xs), w), x)
+
+
+LINEARS: dict[str, type[FusedLinear]] = {c.scheme.name: c for c in (DenseLinear, Int8Linear, Fp8ChannelLinear,
+                                                                      Fp8BlockLinear)}
 
 
 def int8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale_t: torch.Tensor) -> torch.Tensor:
@@ -137,10 +172,6 @@ def int8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale_t: torch.Tensor) -> t
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32 for fp32 and bf16 models; fp64 when a parity check runs the engine in fp64."""
     return torch.promote_types(x.dtype, torch.float32)
-
-
-def _expand_blocks(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    return scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
 
 
 def _fuse(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from rollout_server.engines.linear import Linear, dense_linear
+from qurl.quant import Scheme
+from rollout_server.engines.linear import LINEARS, dense_linear
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
@@ -167,15 +168,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Layer:
     """One decoder block's tensors: norms, fused q/k/v, o, fused gate/up, down."""
 
-    def __init__(self, cfg: ModelConfig, i: int, tensors: dict, scheme: str, dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, i: int, tensors: dict, scheme: Scheme, dtype, device) -> None:
         p = f"model.layers.{i}."
+        linear = LINEARS[scheme.name]
         a, m = p + "self_attn.", p + "mlp."
         self.input_norm = own(tensors[p + "input_layernorm.weight"], dtype, device)
         self.post_norm = own(tensors[p + "post_attention_layernorm.weight"], dtype, device)
-        self.qkv = Linear([a + "q_proj", a + "k_proj", a + "v_proj"], tensors, scheme, dtype, device)
-        self.o = Linear([a + "o_proj"], tensors, scheme, dtype, device)
-        self.gate_up = Linear([m + "gate_proj", m + "up_proj"], tensors, scheme, dtype, device)
-        self.down = Linear([m + "down_proj"], tensors, scheme, dtype, device)
+        self.qkv = linear([a + "q_proj", a + "k_proj", a + "v_proj"], tensors, dtype, device)
+        self.o = linear([a + "o_proj"], tensors, dtype, device)
+        self.gate_up = linear([m + "gate_proj", m + "up_proj"], tensors, dtype, device)
+        self.down = linear([m + "down_proj"], tensors, dtype, device)
         self.named = {
             p + "input_layernorm.weight": self.input_norm,
             p + "post_attention_layernorm.weight": self.post_norm,
@@ -197,7 +199,7 @@ class Transformer:
         self,
         cfg: ModelConfig,
         tensors: dict[str, torch.Tensor],
-        scheme: str,
+        scheme: Scheme,
         dtype: torch.dtype,
         device: torch.device,
         max_seq_len: int,
@@ -230,7 +232,7 @@ class Transformer:
         names = set(names)
         for layer in self.layers:
             for lin in layer.linears:
-                if lin.packed is not None and not names.isdisjoint(lin.named):
+                if not names.isdisjoint(lin.named):
                     lin.repack()
 
     def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

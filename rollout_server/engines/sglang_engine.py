@@ -23,17 +23,16 @@ import torch
 
 from qurl import delta
 from qurl import sglang_payload as payload
-from qurl.quant import is_quantized_linear, quantize_state_dict
-from rollout_server.engines import GenRequest, GenResult, Sample, check_names, run_to_completion
+from qurl.quant import FP8_BLOCK, INT8, SCALE_SUFFIXES, SCHEMES, is_quantized_linear, quantize_state_dict
+from rollout_server.engines import Completion, GenRequest, GenResult, check_names, run_to_completion
 from rollout_server.engines.sglang_fp8_loader import LOADER_PATH as FP8_LOADER_PATH
 from rollout_server.engines.sglang_int8_loader import LOADER_PATH
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = ("rollout.engine=sglang needs the sglang package: install the `sglang` extra on a GPU node "
                 "(pip install -e '.[sglang]')")
-SCHEMES = ("none", "int8", "fp8-block")
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": [payload.FP8_BLOCK, payload.FP8_BLOCK]}
+                    "weight_block_size": [FP8_BLOCK.block, FP8_BLOCK.block]}
 DTYPES = ("float32", "bfloat16")
 # SGLang's CPU engine: max_total_tokens sizes the KV cache, this only bounds it. SGLang refuses to start when the
 # host's free memory falls by more than (1 - fraction) while the weights load, which other processes on a shared
@@ -80,8 +79,7 @@ def engine_args(model_path: str, *, scheme: str, dtype: str, tp_size: int, gpus:
     gpus None: SGLang's CPU engine (tests and CPU rehearsals; needs SGLANG_USE_CPU_ENGINE=1), torch-native
     attention, no CUDA graphs, a KV cache of max_batch * max_seq_len tokens.
     """
-    if scheme not in SCHEMES:
-        raise ValueError(f"rollout quant scheme {scheme!r} has no SGLang refit; use one of {', '.join(SCHEMES)}")
+    payload.check_scheme(scheme)
     if dtype not in DTYPES:
         raise ValueError(f"rollout.dtype={dtype!r} is not allowed; choose one of: {', '.join(DTYPES)}")
     if scheme != "none" and dtype != "bfloat16":
@@ -109,10 +107,10 @@ def engine_args(model_path: str, *, scheme: str, dtype: str, tp_size: int, gpus:
         args.update(base_gpu_id=gpus[0], gpu_id_step=step, device="cuda")
     overrides = json.loads(server_args.pop("json_model_override_args", None) or "{}")
     loaders = list(server_args.pop("custom_weight_loader", None) or [])  # merged: ours come first
-    if scheme == "int8":
+    if scheme == INT8.name:
         args.update(quantization="w8a8_int8", load_format="dummy")
         loaders.insert(0, LOADER_PATH)
-    elif scheme == "fp8-block":
+    elif scheme == FP8_BLOCK.name:
         args.update(quantization="fp8", load_format="dummy")
         loaders.insert(0, FP8_LOADER_PATH)
         overrides["quantization_config"] = FP8_BLOCK_CONFIG  # merged: a user's other overrides stay
@@ -197,8 +195,8 @@ def token_versions(meta: dict[str, Any], num_tokens: int) -> list[int]:
     return versions  # type: ignore[return-value]
 
 
-def parse_output(out: dict[str, Any]) -> Sample:
-    """One SGLang result dict -> Sample; tokens and logprobs come from meta_info.output_token_logprobs."""
+def parse_output(out: dict[str, Any]) -> Completion:
+    """One SGLang result dict -> Completion; tokens and logprobs come from meta_info.output_token_logprobs."""
     meta = out["meta_info"]
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else finish
@@ -208,7 +206,7 @@ def parse_output(out: dict[str, Any]) -> Sample:
     if any(lp is None for lp, _, _ in triples):
         raise ValueError("sglang returned a token without a logprob; requests must set return_logprob")
     tokens = [int(tok) for _, tok, _ in triples]
-    return Sample(token_ids=tokens, logprobs=[float(lp) for lp, _, _ in triples],
+    return Completion(token_ids=tokens, logprobs=[float(lp) for lp, _, _ in triples],
                   versions=token_versions(meta, len(tokens)), finish_reason=kind)
 
 
@@ -224,15 +222,15 @@ def expected_tensors(path: str, scheme: str) -> dict[str, tuple[tuple[int, ...],
     """Name -> (shape, dtype or None for "any floating") of every tensor a push must carry, from safetensors headers."""
     from safetensors import safe_open
 
-    suffix = payload.SCALE_SUFFIX[scheme]
+    s = SCHEMES[scheme]
     out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
     for f in checkpoint_files(path):
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
                 shape = tuple(st.get_slice(name).get_shape())
-                if suffix and is_quantized_linear(name):
-                    out[name] = (shape, payload.CODE_DTYPE[scheme])
-                    out[name + suffix] = (payload.scale_shape(scheme, shape), torch.float32)
+                if s.scale_suffix and is_quantized_linear(name):
+                    out[name] = (shape, s.code_dtype)
+                    out[name + s.scale_suffix] = (s.scale_shape(shape), torch.float32)
                 else:
                     out[name] = (shape, None)
     return out
@@ -262,9 +260,8 @@ def apply_to_host(host: dict[str, torch.Tensor], whole: dict[str, torch.Tensor],
     delta.apply(host, touched, deltas, checksum)
     out = {name: t for name, t in whole.items() if name not in host}
     for name in [*deltas, *touched]:
-        code = next((name[: -len(s)] for s in delta.SCALE_SUFFIXES if name.endswith(s) and name[: -len(s)] in host),
-                    name)
-        out.update({n: host[n] for n in (code, *(code + s for s in delta.SCALE_SUFFIXES)) if n in host})
+        code = next((name[: -len(s)] for s in SCALE_SUFFIXES if name.endswith(s) and name[: -len(s)] in host), name)
+        out.update({n: host[n] for n in (code, *(code + s for s in SCALE_SUFFIXES)) if n in host})
     return out
 
 
@@ -288,7 +285,7 @@ class SGLangEngine:
                         bucket_bytes: int = payload.UPDATE_BUCKET_BYTES) -> "SGLangEngine":
         """Start SGLang on `gpus` (default: tp_size GPUs from device "cuda:N"), then load version 0."""
         require_sglang()
-        scheme = quant if quant != "fp8" else "fp8-block"
+        scheme = quant  # a scheme name (load_engine resolved any alias); engine_args refuses what SGLang cannot refit
         if device == "cpu":
             if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
                 raise ValueError("rollout.engine=sglang with rollout.device=cpu needs SGLANG_USE_CPU_ENGINE=1 (SGLang's "
@@ -300,7 +297,7 @@ class SGLangEngine:
                                  "or, for tests, on the CPU ('cpu')")
             first = int(device.partition(":")[2] or 0)
             gpus = list(range(first, first + tp_size))
-        if scheme == "fp8-block" and gpus is not None:
+        if scheme == FP8_BLOCK.name and gpus is not None:
             problem = fp8_refit_problem(torch.cuda.get_device_capability(gpus[0]))
             if problem:
                 raise ValueError(problem)
@@ -334,7 +331,7 @@ class SGLangEngine:
     @property
     def load_format(self) -> str | None:
         """The update load_format of this scheme: our INT8 loader, our checked FP8 loader, SGLang's own for none."""
-        return {"int8": LOADER_PATH, "fp8-block": FP8_LOADER_PATH}.get(self.scheme)
+        return {INT8.name: LOADER_PATH, FP8_BLOCK.name: FP8_LOADER_PATH}.get(self.scheme)
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -357,7 +354,7 @@ class SGLangEngine:
         return bool(self._tasks)
 
     def add_request(self, req: GenRequest, request_id: Hashable) -> None:
-        """Queue a request; its n samples come back together from step() as (request_id, index, Sample)."""
+        """Queue a request; its n samples come back together from step() as (request_id, index, Completion)."""
         if request_id in self._in_flight:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if not req.prompt_ids or req.n < 1 or req.max_new_tokens < 1:
@@ -367,13 +364,13 @@ class SGLangEngine:
         self._tasks[task] = (request_id, req.n)
         self._in_flight.add(request_id)
 
-    def step(self) -> list[tuple[Hashable, int, Sample]]:
+    def step(self) -> list[tuple[Hashable, int, Completion]]:
         """Let SGLang run until some request finishes (or POLL_S passes); return the finished samples."""
         if not self._tasks:
             return []
         done, _ = self._loop.run_until_complete(
             asyncio.wait(list(self._tasks), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED))
-        finished: list[tuple[Hashable, int, Sample]] = []
+        finished: list[tuple[Hashable, int, Completion]] = []
         for task in done:
             request_id, n = self._tasks.pop(task)
             self._in_flight.discard(request_id)
@@ -462,7 +459,7 @@ class SGLangEngine:
     def receive_broadcast(self, metas: list[tuple[list[str], list[str], list[list[int]]]], version: int,
                           group_name: str = UPDATE_GROUP, partial: bool = False) -> None:
         """Separate-GPU push: receive one flattened NCCL broadcast per bucket (bucket_meta of each) from learner rank 0."""
-        if self.scheme == "int8":
+        if self.scheme == INT8.name:
             raise ValueError("INT8 refits need update_weights_from_tensor: sglang 0.5.23 loads distributed updates "
                              "with model.load_weights, which cannot write w8a8_int8 weights after the first load")
         self.check_metas(metas, partial)

@@ -13,7 +13,10 @@ from collections.abc import Iterable
 
 import torch
 
+from qurl.quant import FP8_BLOCK
+
 LOADER_PATH = "rollout_server.engines.sglang_fp8_loader.load_fp8_weights"
+SCALE = "weight" + FP8_BLOCK.scale_suffix  # SGLang's block-scale attribute, named as the pushes name it
 
 
 def load_fp8_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -31,13 +34,13 @@ def scale_layout_problem(model: torch.nn.Module) -> str | None:
         if type(method).__name__ != "Fp8LinearMethod" or not getattr(method, "block_quant", False):
             continue
         bn, bk = method.quant_config.weight_block_size
-        weight, scale = module.weight, getattr(module, "weight_scale_inv", None)
-        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-            return f"{name}.weight is {weight.dtype} {tuple(weight.shape)}, not float8_e4m3fn [N, K]"
+        weight, scale = module.weight, getattr(module, SCALE, None)
+        if weight.dtype != FP8_BLOCK.code_dtype or weight.dim() != 2:
+            return f"{name}.weight is {weight.dtype} {tuple(weight.shape)}, not {FP8_BLOCK.code_dtype} [N, K]"
         n, k = weight.shape
         want = (-(-n // bn), -(-k // bk))
         if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != want:
             got = "absent" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
-            return (f"{name}.weight_scale_inv is {got} after SGLang's post-processing, not torch.float32 {want} "
+            return (f"{name}.{SCALE} is {got} after SGLang's post-processing, not torch.float32 {want} "
                     "(a DeepGEMM UE8M0 or Marlin repack)")
     return None

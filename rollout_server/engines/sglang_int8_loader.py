@@ -20,11 +20,11 @@ from collections.abc import Iterable
 
 import torch
 
-from qurl.quant import is_quantized_linear, quantize_int8
+from qurl.quant import INT8, is_quantized_linear, quantize_int8
 
 SUPPORTED_SGLANG = "0.5.23"
 LOADER_PATH = "rollout_server.engines.sglang_int8_loader.load_int8_weights"
-SCALE = "_scale"
+SCALE = INT8.scale_suffix
 # HF projection -> (SGLang's fused module, shard id), as SGLang's Llama / Qwen2 / Qwen3 models name them
 FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

@@ -14,13 +14,12 @@ from collections.abc import Hashable
 import torch
 
 from qurl import delta
-from qurl.quant import quantize_state_dict
-from rollout_server.engines import GenRequest, GenResult, Sample, check_names, run_to_completion
+from qurl.quant import Scheme, quantize_state_dict
+from rollout_server.engines import Completion, GenRequest, GenResult, check_names, run_to_completion
 from rollout_server.engines.model import ModelConfig, Transformer, load_safetensors
 from rollout_server.engines.sampling import sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-_SCHEMES = {"none": "none", "int8": "int8", "fp8": "fp8-block", "fp8-channel": "fp8-channel", "fp8-block": "fp8-block"}
 
 
 class _Seq:
@@ -77,21 +76,19 @@ class TorchEngine:
     def from_pretrained(
         cls,
         path: str,
-        quant: str = "int8",
+        scheme: Scheme,
         dtype: str = "float32",
         device: str = "cpu",
         max_batch: int = 64,
         max_seq_len: int = 2048,
         weight_bits: int = 8,
     ) -> "TorchEngine":
-        """Load full-precision HF weights, quantize them with qurl.quant, and keep exactly those buffers."""
-        if quant not in _SCHEMES:
-            raise ValueError(f"unknown quant {quant!r}; allowed: {', '.join(_SCHEMES)}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(_DTYPES)}")
+        """Load full-precision HF weights, quantize them with qurl.quant, and keep exactly those buffers.
+
+        load_engine has checked the settings: `scheme` is a registry record, `dtype` one of _DTYPES.
+        """
         cfg = ModelConfig.from_dir(path)
-        scheme = _SCHEMES[quant]
-        tensors = quantize_state_dict(load_safetensors(path, cfg.tensor_shapes()), scheme, weight_bits)
+        tensors = quantize_state_dict(load_safetensors(path, cfg.tensor_shapes()), scheme.name, weight_bits)
         model = Transformer(cfg, tensors, scheme, _DTYPES[dtype], torch.device(device), max_seq_len)
         return cls(model, max_batch, max_seq_len)
 
@@ -118,7 +115,7 @@ class TorchEngine:
         return bool(self._active or self._waiting)
 
     def add_request(self, req: GenRequest, request_id: Hashable) -> None:
-        """Queue a request; its samples come back from step() as (request_id, sample index, Sample)."""
+        """Queue a request; its samples come back from step() as (request_id, sample index, Completion)."""
         self._check(req)
         if request_id in self._remaining:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -149,9 +146,9 @@ class TorchEngine:
         return run_to_completion(self, requests)
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[Hashable, int, Sample]]:
+    def step(self) -> list[tuple[Hashable, int, Completion]]:
         """Admit waiting samples into free slots (prefill), then decode one token for every active sequence."""
-        finished: list[tuple[Hashable, int, Sample]] = []
+        finished: list[tuple[Hashable, int, Completion]] = []
         done: list[tuple[int, str]] = []  # (slot, finish reason)
         while self._waiting and len(self._active) < self.max_batch:
             self._admit(done)
@@ -210,11 +207,11 @@ class TorchEngine:
             if reason is not None:
                 done.append((first_slot + i, reason))
 
-    def _release(self, done: list[tuple[int, str]], finished: list[tuple[Hashable, int, Sample]]) -> None:
+    def _release(self, done: list[tuple[int, str]], finished: list[tuple[Hashable, int, Completion]]) -> None:
         """Hand back finished sequences; move the last active sequence into each freed slot."""
         for slot, reason in sorted(done, reverse=True):
             s = self._active[slot]
-            finished.append((s.request_id, s.index, Sample(s.tokens, s.logprobs, s.versions, reason)))
+            finished.append((s.request_id, s.index, Completion(s.tokens, s.logprobs, s.versions, reason)))
             last = len(self._active) - 1
             if slot != last:
                 moved = self._active[last]
