@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo real test test-slow test-all test-sglang
+.PHONY: demo real lint test test-slow test-all test-sglang
 
 demo:
 	@bash scripts/setup.sh
@@ -13,6 +13,11 @@ real:  # the real track: SmolLM2-135M-Instruct learns GSM-Symbolic math on CPU (
 	@bash scripts/setup.sh real
 	$(BIN)/qurl-prepare-real
 	$(BIN)/qurl-async --config configs/smollm2-gsm-cpu.yaml run.name=smollm2-gsm-cpu-$$(date +%Y%m%d-%H%M%S)
+
+lint:  # ruff, configured in pyproject.toml: the linter, then the formatter's check (`ruff format .` fixes it)
+	@bash scripts/setup.sh test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test:
 	@bash scripts/setup.sh test

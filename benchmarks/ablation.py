@@ -18,6 +18,7 @@ clipping (and ACR's widening of it) can act; its folders and outputs end in -mbN
                                   [--task add|sum-steps] [--weight-bits 8] [--mini-batches 1] [--out results]
                                   [--quick] [--stress]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,21 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from demo_runs import (QUICK, Run, add_common_args, cadence, check_args, demo, demo_overrides,  # noqa: E402
-                       mean_std, plot_curve, read_run, run_all, strip_curves, write_result)
+from demo_runs import (  # noqa: E402
+    QUICK,
+    Run,
+    add_common_args,
+    cadence,
+    check_args,
+    demo,
+    demo_overrides,
+    mean_std,
+    plot_curve,
+    read_run,
+    run_all,
+    strip_curves,
+    write_result,
+)
 
 INT = "rollout.quant=int8"
 CONFIGS: dict[str, list[str]] = {
@@ -37,8 +51,12 @@ CONFIGS: dict[str, list[str]] = {
     "int8-tis": [INT, "algo.loss=tis", "quant.invariant_scaling.s=1.0"],
     "int8-acr": [INT, "algo.loss=acr", "quant.invariant_scaling.s=1.0"],
     "int8-acr-s1.5": [INT, "algo.loss=acr", "quant.invariant_scaling.s=1.5"],
-    "fp8-acr-s1.5": ["rollout.quant=fp8", "quant.fp8_granularity=block", "algo.loss=acr",
-                     "quant.invariant_scaling.s=1.5"],
+    "fp8-acr-s1.5": [
+        "rollout.quant=fp8",
+        "quant.fp8_granularity=block",
+        "algo.loss=acr",
+        "quant.invariant_scaling.s=1.5",
+    ],
 }
 REFERENCE = "fp32"
 STEPS = 400  # default run length: 18 runs fit in an hour on 2 cores
@@ -62,8 +80,16 @@ def build_runs(configs: dict[str, list[str]], args: argparse.Namespace, benchmar
     for name, keys in configs.items():
         bits = [f"quant.weight_bits={args.weight_bits}"] if INT in keys and args.weight_bits != 8 else []
         for seed in args.seeds:
-            runs.append(Run(name, seed, base + keys + bits + mb, args.steps, os.path.abspath(
-                os.path.join(runs_dir, f"{name}-seed{seed}")), cadence(args.steps, args.quick)))
+            runs.append(
+                Run(
+                    name,
+                    seed,
+                    base + keys + bits + mb,
+                    args.steps,
+                    os.path.abspath(os.path.join(runs_dir, f"{name}-seed{seed}")),
+                    cadence(args.steps, args.quick),
+                )
+            )
     return runs
 
 
@@ -75,13 +101,23 @@ def aggregate(rows: list[dict]) -> list[dict]:
         final, final_std = mean_std([r["final_acc"] for r in mine])
         best, best_std = mean_std([r["best_acc"] for r in mine])
         quant, _ = mean_std([r["final_acc_quant"] for r in mine])
-        out.append({"config": config, "n": len(mine), "final_acc_mean": final, "final_acc_std": final_std,
-                    "best_acc_mean": best, "best_acc_std": best_std, "final_acc_quant_mean": quant,
-                    "wall_s_mean": mean_std([r["wall_s"] for r in mine])[0]})
+        out.append(
+            {
+                "config": config,
+                "n": len(mine),
+                "final_acc_mean": final,
+                "final_acc_std": final_std,
+                "best_acc_mean": best,
+                "best_acc_std": best_std,
+                "final_acc_quant_mean": quant,
+                "wall_s_mean": mean_std([r["wall_s"] for r in mine])[0],
+            }
+        )
     ref = next((a["final_acc_mean"] for a in out if a["config"] == REFERENCE), None)
     for a in out:
-        a["final_acc_minus_fp32"] = (a["final_acc_mean"] - ref if ref is not None and a["final_acc_mean"] is not None
-                                     else None)
+        a["final_acc_minus_fp32"] = (
+            a["final_acc_mean"] - ref if ref is not None and a["final_acc_mean"] is not None else None
+        )
     return out
 
 
@@ -116,10 +152,18 @@ def plot(rows: list[dict], summary: list[dict], path: str, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ablation.py", description=__doc__.splitlines()[0])
     add_common_args(p, steps=STEPS, seeds=[0, 1, 2], out="results")
-    p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS),
-                   help="subset to run (default all; --stress: fp32 and the int ones; --quick: int8-acr)")
-    p.add_argument("--stress", action="store_true",
-                   help=f"mismatch stress: sum-steps task, {STRESS_BITS}-bit int weights, {STRESS_STEPS} steps")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        choices=list(CONFIGS),
+        help="subset to run (default all; --stress: fp32 and the int ones; --quick: int8-acr)",
+    )
+    p.add_argument(
+        "--stress",
+        action="store_true",
+        help=f"mismatch stress: sum-steps task, {STRESS_BITS}-bit int weights, {STRESS_STEPS} steps",
+    )
     args = p.parse_args(argv)
     if args.stress:
         p.set_defaults(task="sum-steps", weight_bits=STRESS_BITS, steps=STRESS_STEPS, configs=STRESS_CONFIGS)
@@ -137,19 +181,36 @@ def main(argv: list[str] | None = None) -> int:
 
     name = ("ablation-stress" if args.stress else "ablation") + suffix(args)
     summary = aggregate([r for r in rows if r["ok"]])
-    result = {"benchmark": name, "machine": machine_info(), "task": args.task, "weight_bits": args.weight_bits,
-              "mini_batches": args.mini_batches, "steps": args.steps, "seeds": args.seeds,
-              "configs": {c: CONFIGS[c] for c in args.configs},
-              "summary": summary, "rows": rows, "failed": failed, "wall_s": round(sum(r["wall_s"] for r in rows), 1),
-              "invocation_wall_s": round(time.time() - started, 1)}
+    result = {
+        "benchmark": name,
+        "machine": machine_info(),
+        "task": args.task,
+        "weight_bits": args.weight_bits,
+        "mini_batches": args.mini_batches,
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "configs": {c: CONFIGS[c] for c in args.configs},
+        "summary": summary,
+        "rows": rows,
+        "failed": failed,
+        "wall_s": round(sum(r["wall_s"] for r in rows), 1),
+        "invocation_wall_s": round(time.time() - started, 1),
+    }
     path = write_result(args.out, name, result)
-    plot(rows, summary, os.path.join(args.out, f"{name}.png"),
-         f"demo ablation: task {args.task}, weight bits {args.weight_bits}, mini-batches {args.mini_batches}, "
-         f"{args.steps} steps")
+    plot(
+        rows,
+        summary,
+        os.path.join(args.out, f"{name}.png"),
+        f"demo ablation: task {args.task}, weight bits {args.weight_bits}, mini-batches {args.mini_batches}, "
+        f"{args.steps} steps",
+    )
     print(json.dumps(strip_curves(result), indent=1))
-    print(f"ablation: {len(runs)} runs ({len(failed)} failed); this invocation {result['invocation_wall_s']:.0f} s "
-          f"wall, all attempts of these runs {result['wall_s']:.0f} s; "
-          f"wrote {path} and {os.path.join(args.out, name + '.png')}", file=sys.stderr)
+    print(
+        f"ablation: {len(runs)} runs ({len(failed)} failed); this invocation {result['invocation_wall_s']:.0f} s "
+        f"wall, all attempts of these runs {result['wall_s']:.0f} s; "
+        f"wrote {path} and {os.path.join(args.out, name + '.png')}",
+        file=sys.stderr,
+    )
     return 1 if failed else 0
 
 

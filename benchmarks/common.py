@@ -18,13 +18,25 @@ def machine_info(**extra: str) -> dict:
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__,
-            "python": platform.python_version(), **extra}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        **extra,
+    }
 
 
 # The ~150M-parameter random Qwen2 that the CPU speed benchmarks share (hidden 1024, 8 layers).
-QWEN2_150M = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-                  intermediate_size=2816, vocab_size=32000)
+QWEN2_150M = dict(
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    intermediate_size=2816,
+    vocab_size=32000,
+)
 
 
 def emit(result: dict, out: str | None) -> None:

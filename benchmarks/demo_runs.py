@@ -5,6 +5,7 @@ and lives in its own folder; a run whose summary says it finished its steps is s
 continued with run.resume=true (the learner resumes from its newest checkpoint), so Ctrl-C and re-running
 the same command loses at most the steps since the last checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -26,8 +27,19 @@ QURL_ASYNC = os.path.join(os.path.dirname(sys.executable), "qurl-async")
 DEMO_CONFIG = str(ROOT / "configs" / "demo-cpu.yaml")
 QUICK = ["train.batch_prompts=4", "rollout.n_samples=4", "eval.max_problems=32", "log.interval_s=2"]
 SETTINGS = "bench_run.json"  # in each run folder: what defines the run, and the wall time of each attempt
-CURVE_KEYS = ("reward/mean", "mismatch/kl_k3", "mismatch/kl_k1", "sync/changed_frac", "tis/truncated_frac",
-              "acr/widened_frac", "actor/clipfrac", "staleness/mean", "time/step_s", "time/wait_s", "sync/seconds")
+CURVE_KEYS = (
+    "reward/mean",
+    "mismatch/kl_k3",
+    "mismatch/kl_k1",
+    "sync/changed_frac",
+    "tis/truncated_frac",
+    "acr/widened_frac",
+    "actor/clipfrac",
+    "staleness/mean",
+    "time/step_s",
+    "time/wait_s",
+    "sync/seconds",
+)
 EVAL_KEYS = ("eval/acc_fp", "eval/acc_quant")
 
 
@@ -55,11 +67,20 @@ def add_common_args(p: argparse.ArgumentParser, steps: int, seeds: list[int], ou
     p.add_argument("--runs-dir", default=None, help="folder for the run folders (default runs/<benchmark>/...)")
     p.add_argument("--parallel", type=int, default=1, help="runs at once (each is two processes)")
     p.add_argument("--task", default="add", choices=("add", "sum-steps"), help="demo task (qurl/demo/task.py)")
-    p.add_argument("--weight-bits", type=int, default=8, choices=(4, 5, 6, 7, 8),
-                   help="quant.weight_bits for the int8 configurations (below 8: mismatch stress, not speed)")
-    p.add_argument("--mini-batches", type=int, default=1,
-                   help="train.mini_batches, optimizer updates per learner step (the demo's 1 keeps the PPO ratio at 1, "
-                        "so clipping and ACR's widening never act)")
+    p.add_argument(
+        "--weight-bits",
+        type=int,
+        default=8,
+        choices=(4, 5, 6, 7, 8),
+        help="quant.weight_bits for the int8 configurations (below 8: mismatch stress, not speed)",
+    )
+    p.add_argument(
+        "--mini-batches",
+        type=int,
+        default=1,
+        help="train.mini_batches, optimizer updates per learner step (the demo's 1 keeps the PPO ratio at 1, "
+        "so clipping and ACR's widening never act)",
+    )
     p.add_argument("--demo-dir", default=None, help="prepared demo (default: qurl-prepare-demo's folder for --task)")
     p.add_argument("--quick", action="store_true", help="tiny smoke version (2 steps, small batches, 1 seed)")
 
@@ -73,7 +94,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--mini-batches: must be >= 1, got {args.mini_batches}")
 
 
-def demo(task: str, demo_dir: Optional[str] = None) -> tuple[str, dict]:
+def demo(task: str, demo_dir: str | None = None) -> tuple[str, dict]:
     """The prepared demo folder for `task` (built on first use, which takes minutes) and its prepare.json."""
     from qurl.demo.prepare import Recipe, default_root, prepare, read_info
 
@@ -89,8 +110,11 @@ def demo(task: str, demo_dir: Optional[str] = None) -> tuple[str, dict]:
 
 def demo_overrides(root: str, info: dict) -> list[str]:
     """Point the demo config at a prepared folder; tasks other than `add` get room for their longer answers."""
-    out = [f"model.path={root}/model", f"data.train_files=[{root}/train.jsonl]",
-           f"data.eval_files=[{root}/heldout.jsonl]"]
+    out = [
+        f"model.path={root}/model",
+        f"data.train_files=[{root}/train.jsonl]",
+        f"data.eval_files=[{root}/heldout.jsonl]",
+    ]
     if info["recipe"]["task"] != "add":
         max_new = int(info["max_new_tokens"])
         out += [f"rollout.sampling.max_new_tokens={max_new}", f"rollout.max_seq_len={64 + max_new}"]
@@ -104,7 +128,7 @@ def cadence(steps: int, quick: bool) -> list[str]:
     return [f"eval.every={max(1, steps // 10)}", f"checkpoint.every={max(1, min(50, steps // 4))}"]
 
 
-def _json(path: str) -> Optional[dict]:
+def _json(path: str) -> dict | None:
     try:
         with open(path) as f:
             return json.load(f)
@@ -127,8 +151,10 @@ def _claim(run: Run) -> dict:
     have = _json(path)
     if have is not None:
         if {k: have.get(k) for k in want} != want:
-            raise SystemExit(f"{run.dir} holds a run made with other settings ({have.get('overrides')}); "
-                             "remove it or pass another --runs-dir")
+            raise SystemExit(
+                f"{run.dir} holds a run made with other settings ({have.get('overrides')}); "
+                "remove it or pass another --runs-dir"
+            )
         return have
     os.makedirs(run.dir, exist_ok=True)
     have = {**want, "walls": []}
@@ -149,8 +175,17 @@ def _steps_done(run: Run) -> int:
 
 
 def _launch(run: Run, log) -> subprocess.Popen:
-    cmd = [QURL_ASYNC, "--config", DEMO_CONFIG, *run.overrides, *run.extra, f"run.seed={run.seed}",
-           f"train.steps={run.steps}", f"run.dir={run.dir}", f"run.name={run.key}"]
+    cmd = [
+        QURL_ASYNC,
+        "--config",
+        DEMO_CONFIG,
+        *run.overrides,
+        *run.extra,
+        f"run.seed={run.seed}",
+        f"train.steps={run.steps}",
+        f"run.dir={run.dir}",
+        f"run.name={run.key}",
+    ]
     if state(run) == "resume":
         cmd.append("run.resume=true")
     log.write(f"$ {' '.join(cmd)}\n")
@@ -166,8 +201,9 @@ def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs") -> list[str]
         _claim(run)
     todo = [r for r in runs if state(r) != "done"]
     done_steps = {r.key: (r.steps if state(r) == "done" else _steps_done(r)) for r in runs}
-    bar = tqdm(total=sum(r.steps for r in runs), initial=sum(done_steps.values()), desc=desc, unit="step",
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=sum(r.steps for r in runs), initial=sum(done_steps.values()), desc=desc, unit="step", dynamic_ncols=True
+    )
     if len(todo) < len(runs):
         _note(bar, f"{desc}: {len(runs) - len(todo)} of {len(runs)} runs already finished, skipped")
     running: dict[str, tuple[Run, subprocess.Popen, float, Any]] = {}
@@ -225,16 +261,23 @@ def read_run(run: Run) -> dict:
     summary = _json(os.path.join(run.dir, "summary.json")) or {}
     settings = _json(os.path.join(run.dir, SETTINGS)) or {}
     return {
-        "config": run.name, "seed": run.seed, "steps": summary.get("steps", 0), "ok": state(run) == "done",
-        "final_acc": summary.get("eval/acc_fp/final"), "best_acc": summary.get("eval/acc_fp/best"),
-        "first_acc": summary.get("eval/acc_fp/first"), "final_acc_quant": summary.get("eval/acc_quant/final"),
-        "wall_s": round(sum(settings.get("walls", [])), 1), "overrides": run.overrides, "run_dir": run.dir,
+        "config": run.name,
+        "seed": run.seed,
+        "steps": summary.get("steps", 0),
+        "ok": state(run) == "done",
+        "final_acc": summary.get("eval/acc_fp/final"),
+        "best_acc": summary.get("eval/acc_fp/best"),
+        "first_acc": summary.get("eval/acc_fp/first"),
+        "final_acc_quant": summary.get("eval/acc_quant/final"),
+        "wall_s": round(sum(settings.get("walls", [])), 1),
+        "overrides": run.overrides,
+        "run_dir": run.dir,
         "curves": {"step": [r["step"] for r in train], **{k: [r.get(k) for r in train] for k in CURVE_KEYS}},
         "evals": {k: [[r["step"], r[k]] for r in rows if isinstance(r.get(k), (int, float))] for k in EVAL_KEYS},
     }
 
 
-def mean_std(values: list[float]) -> tuple[Optional[float], Optional[float]]:
+def mean_std(values: list[float]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation (0 for one value), ignoring missing values."""
     import numpy as np
 

@@ -6,16 +6,25 @@ greedy logprobs with a teacher-forced transformers forward of the weights the en
 weights (version 1) and compare again, refit back (version 2) and require the version-0 greedy tokens, and refit
 while a request is running (its per-token versions must go 2 -> 3, in order). Then the learner-driven transports
 end to end (learner/push_transport.py in a spawned "learner rank 0" process, a real WeightSender and ControlPlane
-over ZeroMQ, the server's rollout_server.weight_refs.apply_ref here): cuda-ipc (every scheme; on one GPU the learner shares the
-engine's GPU, i.e. colocated; on CPU the buffers are shared by file descriptor) and nccl (none and fp8-block, with
-2+ GPUs; over gloo on CPU).
+over ZeroMQ, the server's rollout_server.weight_refs.apply_ref here): cuda-ipc (every scheme; on one GPU the
+learner shares the engine's GPU, i.e. colocated; on CPU the buffers are shared by file descriptor) and nccl
+(none and fp8-block, with 2+ GPUs; over gloo on CPU).
 
 GPU: `bash benchmarks/gpu_check_sglang.sh` on a node with `pip install -e '.[sglang]'`. CPU rehearsal (what
 `make test-sglang` runs, so that the script cannot rot unseen): SGLANG_USE_CPU_ENGINE=1 and tests/sglang_cpu on
 PYTHONPATH, `--device cpu`. Prints one JSON object (design.md section 9), keeping every figure measured before a
 step fails; exits 0 only when every check passed.
 """
-import argparse, json, multiprocessing as mp, os, platform, socket, sys, tempfile, time
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
 
 import torch
 import transformers
@@ -31,15 +40,28 @@ SERVER = {"cuda": {"cuda_graph_max_bs_decode": 8}, "cpu": {}}
 MEAN_GAP_LIMIT = {"none": 0.05, "fp8-block": 0.2, "int8": 0.2}
 CPU_MEAN_GAP_LIMIT = 0.15  # the CPU rehearsal: a bf16 engine against an fp32 reference (measured 0.02-0.06)
 # no EOS: samples end at max_new_tokens; initializer_range 0.2 makes logits peaked (std ~3), so wrong weights show
-CFG = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                               tie_word_embeddings=True, eos_token_id=None, bos_token_id=None, initializer_range=0.2)
+CFG = transformers.Qwen2Config(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    eos_token_id=None,
+    bos_token_id=None,
+    initializer_range=0.2,
+)
 
 
 def random_weights(seed):
     torch.manual_seed(seed)
-    return {k: v.to(torch.bfloat16) for k, v in transformers.Qwen2ForCausalLM(CFG).state_dict().items()
-            if k != "lm_head.weight"}
+    return {
+        k: v.to(torch.bfloat16)
+        for k, v in transformers.Qwen2ForCausalLM(CFG).state_dict().items()
+        if k != "lm_head.weight"
+    }
 
 
 def reference_logprobs(weights, prompt, tokens, device):
@@ -51,7 +73,7 @@ def reference_logprobs(weights, prompt, tokens, device):
     model = model.to(device).eval()
     ids = torch.tensor([prompt + tokens], device=device)
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     return logits.log_softmax(-1).gather(-1, torch.tensor(tokens, device=device)[:, None])[:, 0].tolist()
 
 
@@ -79,8 +101,8 @@ def learner_push(kind, endpoint, group_port, weights_path, scheme, version, done
     import zmq
 
     from learner.budget import Budget
-    from learner.push_transport import IpcPush, NcclPush
     from learner.control_plane import ControlPlane
+    from learner.push_transport import IpcPush, NcclPush
     from learner.weight_sender import WeightSender
     from qurl import transport
 
@@ -92,12 +114,17 @@ def learner_push(kind, endpoint, group_port, weights_path, scheme, version, done
     ctx = zmq.Context()
     pub = transport.bind(ctx, zmq.PUB, endpoint, secret=None, max_bytes=1 << 20, hwm=4)
     router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-    plane = ControlPlane(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                         transport.Sender(router, "learner"), budget=Budget(0, 1, lambda: (0, {})))
+    plane = ControlPlane(
+        transport.Sender(pub, "learner"),
+        transport.Receiver(router, secret=None, max_bytes=1 << 20),
+        transport.Sender(router, "learner"),
+        budget=Budget(0, 1, lambda: (0, {})),
+    )
     sender = WeightSender(plane, scheme)
     if kind == "nccl":
-        push = NcclPush(sender, scheme, device, f"tcp://127.0.0.1:{group_port}", replicas=1, tp_size=1,
-                        bucket_bytes=1 << 20)
+        push = NcclPush(
+            sender, scheme, device, f"tcp://127.0.0.1:{group_port}", replicas=1, tp_size=1, bucket_bytes=1 << 20
+        )
         push.open()
     else:
         push = IpcPush(sender, scheme, device, ranks=1, bucket_bytes=1 << 20)
@@ -121,18 +148,23 @@ def transport_check(eng, kind, scheme, weights, version, greedy, expect_tokens, 
     torch.save(quantize_state_dict(weights, scheme), weights_path)
     endpoint, group_port = f"tcp://127.0.0.1:{free_port()}", free_port()
     ctx = zmq.Context()
-    rx = transport.Receiver(transport.connect(ctx, zmq.SUB, endpoint, max_bytes=1 << 30), secret=None,
-                            max_bytes=1 << 30, kinds=("weight_ref",))
-    proc = mp.get_context("spawn").Process(target=learner_push,
-                                           args=(kind, endpoint, group_port, weights_path, scheme, version, done,
-                                                 device))
+    rx = transport.Receiver(
+        transport.connect(ctx, zmq.SUB, endpoint, max_bytes=1 << 30),
+        secret=None,
+        max_bytes=1 << 30,
+        kinds=("weight_ref",),
+    )
+    proc = mp.get_context("spawn").Process(
+        target=learner_push, args=(kind, endpoint, group_port, weights_path, scheme, version, done, device)
+    )
     proc.start()
     key = kind.replace("-", "_")
     try:
         if kind == "nccl":
             world, offsets = payload.update_group_layout(1, 1)
-            eng.init_update_group("127.0.0.1", group_port, offsets[0], world,
-                                  backend="nccl" if device == "cuda" else "gloo")
+            eng.init_update_group(
+                "127.0.0.1", group_port, offsets[0], world, backend="nccl" if device == "cuda" else "gloo"
+            )
         ref = rx.recv(timeout_ms=120_000)
         if ref is None:
             raise RuntimeError(f"{kind}: no weight_ref arrived within 120 s")
@@ -151,10 +183,17 @@ def check(scheme, path, w_a, w_b, prompt, max_new, device, row):
     """Every step for one scheme; each figure lands in `row` as soon as it is measured (a failure keeps them)."""
     row["model_params"] = sum(v.numel() for v in w_a.values())
     t0 = time.perf_counter()
-    eng = SGLangEngine.from_pretrained(path, quant=scheme, dtype="bfloat16", device="cuda:0" if device == "cuda"
-                                       else "cpu", max_batch=8, max_seq_len=256,
-                                       mem_fraction=0.3 if device == "cuda" else None, server_args=SERVER[device],
-                                       bucket_bytes=1 << 20)
+    eng = SGLangEngine.from_pretrained(
+        path,
+        quant=scheme,
+        dtype="bfloat16",
+        device="cuda:0" if device == "cuda" else "cpu",
+        max_batch=8,
+        max_seq_len=256,
+        mem_fraction=0.3 if device == "cuda" else None,
+        server_args=SERVER[device],
+        bucket_bytes=1 << 20,
+    )
     row["startup_s"] = round(time.perf_counter() - t0, 2)
     greedy = GenRequest(prompt_ids=prompt, n=1, max_new_tokens=max_new, temperature=0.0)
     try:
@@ -164,7 +203,8 @@ def check(scheme, path, w_a, w_b, prompt, max_new, device, row):
         row["tokens_per_s"] = round(sum(len(s.token_ids) for s in g0.samples + sampled.samples) / gen_s, 1)
         s0 = g0.samples[0]
         row["n_samples_ok"] = len(sampled.samples) == 4 and all(
-            len(s.logprobs) == len(s.token_ids) == len(s.versions) == max_new for s in sampled.samples)
+            len(s.logprobs) == len(s.token_ids) == len(s.versions) == max_new for s in sampled.samples
+        )
         row["v0_versions_ok"] = all(v == 0 for s in g0.samples + sampled.samples for v in s.versions)
         row["logprob_gap_v0"] = gaps(s0.logprobs, reference_logprobs(held(w_a, scheme), prompt, s0.token_ids, device))
 
@@ -212,8 +252,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cpu: a rehearsal on SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1, tests/sglang_cpu stand-ins)")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: a rehearsal on SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1, tests/sglang_cpu stand-ins)",
+    )
     p.add_argument("--schemes", default=",".join(SCHEMES))
     args = p.parse_args()
     torch.set_num_threads(4 if args.device == "cuda" else 1)
@@ -236,13 +280,19 @@ def main():
             check(scheme, tmp, w_a, w_b, prompt, 8 if args.quick else 24, args.device, row)
         except Exception as exc:  # one step failing must not hide the figures before it, nor the other schemes
             row.update(passed=False, error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}")
-    out = {"benchmark": "gpu_check_sglang",
-           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                       "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-                       "torch": torch.__version__,
-                       "python": platform.python_version(), "sglang": sglang.__version__,
-                       "threads": torch.get_num_threads()},
-           "rows": rows}
+    out = {
+        "benchmark": "gpu_check_sglang",
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "sglang": sglang.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "rows": rows,
+    }
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:

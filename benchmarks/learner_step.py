@@ -1,4 +1,4 @@
-"""Learner step benchmark: step time, tokens/s, and weight-push seconds and bytes for int8, fp8 and none, with 1 and 2 ranks.
+"""Learner step benchmark: step time, tokens/s, weight-push seconds and bytes for int8, fp8 and none, 1 and 2 ranks.
 
 Each row is one real `qurl-learner` run (its own processes, FSDP2 over gloo, real sockets): this script plays
 the rollout server, PUSHes synthetic scored groups (random tokens and behaviour log-probs, mixed rewards) and
@@ -9,6 +9,7 @@ background I/O thread); tokens_per_s counts prompt + response tokens per step_s.
 
     python benchmarks/learner_step.py [--quick] [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,13 +30,21 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import QWEN2_150M, emit, machine_info  # noqa: E402  (benchmarks/common.py)
+
 from qurl import transport  # noqa: E402
 from qurl.demo.prepare import Recipe, default_root, read_info  # noqa: E402
 from qurl.protocol import Sample, Status, TrajectoryGroup  # noqa: E402
 
 LARGE = dict(QWEN2_150M, tie_word_embeddings=False)
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=256, tie_word_embeddings=True)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=256,
+    tie_word_embeddings=True,
+)
 # model -> (prompts per batch, samples per prompt, prompt tokens, response tokens)
 WORKLOADS = {"demo": (16, 8, 16, 8), "qwen2-150m": (2, 4, 32, 64), "tiny": (4, 4, 16, 16)}
 
@@ -60,9 +69,15 @@ def demo_model(tmp: str) -> tuple[str, str]:
     if read_info(root) is not None:
         return os.path.join(root, "model"), "demo"
     r = Recipe()
-    shape = dict(hidden_size=r.hidden, num_hidden_layers=r.layers, num_attention_heads=r.heads,
-                 num_key_value_heads=r.kv_heads, intermediate_size=r.intermediate, vocab_size=r.vocab_size,
-                 tie_word_embeddings=True)
+    shape = dict(
+        hidden_size=r.hidden,
+        num_hidden_layers=r.layers,
+        num_attention_heads=r.heads,
+        num_key_value_heads=r.kv_heads,
+        intermediate_size=r.intermediate,
+        vocab_size=r.vocab_size,
+        tie_word_embeddings=True,
+    )
     return random_qwen2(os.path.join(tmp, "demo-shape"), shape), "demo-shape (random init; demo not prepared)"
 
 
@@ -71,18 +86,30 @@ def groups(n: int, samples: int, prompt_len: int, response_len: int, vocab: int,
     out = []
     for g in range(n):
         rewards = rng.permutation([1.0] * (samples // 2) + [0.0] * (samples - samples // 2))
-        out.append(TrajectoryGroup(
-            prompt_id=g, group_id=f"bench-{seed}-{g}", server_id="bench",
-            prompt_ids=rng.integers(3, vocab, prompt_len, dtype=np.int32),
-            samples=tuple(Sample(token_ids=rng.integers(3, vocab, response_len, dtype=np.int32),
-                                 logprobs=-rng.uniform(0.01, 3.0, response_len).astype(np.float32),
-                                 versions=np.zeros(response_len, np.int32), reward=float(r), finish_reason="length")
-                          for r in rewards)))
+        out.append(
+            TrajectoryGroup(
+                prompt_id=g,
+                group_id=f"bench-{seed}-{g}",
+                server_id="bench",
+                prompt_ids=rng.integers(3, vocab, prompt_len, dtype=np.int32),
+                samples=tuple(
+                    Sample(
+                        token_ids=rng.integers(3, vocab, response_len, dtype=np.int32),
+                        logprobs=-rng.uniform(0.01, 3.0, response_len).astype(np.float32),
+                        versions=np.zeros(response_len, np.int32),
+                        reward=float(r),
+                        finish_reason="length",
+                    )
+                    for r in rewards
+                ),
+            )
+        )
     return out
 
 
-def run_learner(tmp: str, model: str, ranks: int, quant: str, steps: int, workload: tuple, threads: int,
-                train: dict | None = None) -> list[dict]:
+def run_learner(
+    tmp: str, model: str, ranks: int, quant: str, steps: int, workload: tuple, threads: int, train: dict | None = None
+) -> list[dict]:
     """One learner run fed with steps batches; its metrics.jsonl rows (`train`: more train.* keys, e.g. precision)."""
     prompts, samples, prompt_len, response_len = workload
     endpoints = {k: f"tcp://127.0.0.1:{free_port()}" for k in ("trajectories", "weights", "control")}
@@ -90,19 +117,31 @@ def run_learner(tmp: str, model: str, ranks: int, quant: str, steps: int, worklo
     with open(data, "w") as f:
         f.write('{"problem": "1+1", "answer": "2"}\n')
     run_dir = os.path.join(tmp, f"run-{os.path.basename(model)}-{ranks}-{quant}-{len(os.listdir(tmp))}")
-    cfg = {"run": {"dir": run_dir}, "model": {"path": model}, "data": {"train_files": [data]},
-           "rollout": {"quant": quant, "n_samples": samples, "sampling": {"max_new_tokens": response_len}},
-           "quant": {"invariant_scaling": {"s": 1.5}},
-           "train": {"lr": 1e-5, "batch_prompts": prompts, "steps": steps, **(train or {})},
-           "async": {"max_staleness": steps}, "transport": endpoints, "cluster": {"learner_ranks": ranks},
-           "checkpoint": {"every": 0, "keep": 1}, "log": {"tensorboard": False, "level": "warning"}}
+    cfg = {
+        "run": {"dir": run_dir},
+        "model": {"path": model},
+        "data": {"train_files": [data]},
+        "rollout": {"quant": quant, "n_samples": samples, "sampling": {"max_new_tokens": response_len}},
+        "quant": {"invariant_scaling": {"s": 1.5}},
+        "train": {"lr": 1e-5, "batch_prompts": prompts, "steps": steps, **(train or {})},
+        "async": {"max_staleness": steps},
+        "transport": endpoints,
+        "cluster": {"learner_ranks": ranks},
+        "checkpoint": {"every": 0, "keep": 1},
+        "log": {"tensorboard": False, "level": "warning"},
+    }
     config = run_dir + ".yaml"
     with open(config, "w") as f:
         yaml.safe_dump(cfg, f)
     vocab = AutoConfig.from_pretrained(model).vocab_size
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    proc = subprocess.Popen([sys.executable, "-m", "learner.main", "--config", config], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "learner.main", "--config", config],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ctx = zmq.Context()
     try:
         push = transport.Sender(transport.connect(ctx, zmq.PUSH, endpoints["trajectories"], max_bytes=1 << 20), "bench")
@@ -130,17 +169,27 @@ def run_learner(tmp: str, model: str, ranks: int, quant: str, steps: int, worklo
 def summarize(rows: list[dict], warmup: int) -> dict:
     measured = rows[warmup:] or rows
     med = lambda key: statistics.median(r[key] for r in measured)  # noqa: E731
-    return {"step_s": med("time/step_s"), "push_s": med("sync/seconds"), "push_bytes": int(med("sync/bytes")),
-            "changed_frac": med("sync/changed_frac"), "response_tokens": int(med("actor/tokens")),
-            "peak_rss_mb": max(r["perf/peak_rss_mb"] for r in rows), "repeats": len(measured)}
+    return {
+        "step_s": med("time/step_s"),
+        "push_s": med("sync/seconds"),
+        "push_bytes": int(med("sync/bytes")),
+        "changed_frac": med("sync/changed_frac"),
+        "response_tokens": int(med("actor/tokens")),
+        "peak_rss_mb": max(r["perf/peak_rss_mb"] for r in rows),
+        "repeats": len(measured),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny model, one measured step (for tests)")
     ap.add_argument("--out", help="also write the JSON here")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads per rank (1: on a shared machine more threads per process mostly wait)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per rank (1: on a shared machine more threads per process mostly wait)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="measured steps per row (default 3; 1 with --quick)")
     ap.add_argument("--models", default=None, help="comma-separated subset of demo,qwen2-150m (default both)")
     ap.add_argument("--ranks", default="1,2")
@@ -163,9 +212,18 @@ def main(argv: list[str] | None = None) -> int:
                 for quant in args.quants.split(","):
                     started = time.monotonic()
                     metrics = run_learner(tmp, path, ranks, quant, 1 + measured, WORKLOADS[name], args.threads)
-                    row = {"model": label, "model_params": params, "ranks": ranks, "quant": quant,
-                           "threads_per_rank": args.threads, "prompts": prompts, "samples": samples,
-                           "prompt_len": prompt_len, "response_len": response_len, **summarize(metrics, 1)}
+                    row = {
+                        "model": label,
+                        "model_params": params,
+                        "ranks": ranks,
+                        "quant": quant,
+                        "threads_per_rank": args.threads,
+                        "prompts": prompts,
+                        "samples": samples,
+                        "prompt_len": prompt_len,
+                        "response_len": response_len,
+                        **summarize(metrics, 1),
+                    }
                     tokens = prompts * samples * (prompt_len + response_len)
                     row["tokens_per_s"] = tokens / row["step_s"]
                     row["train_s"] = row["step_s"] - row["push_s"]

@@ -12,6 +12,7 @@ computed between rows of this run. Resumable like ablation.py: delete the runs f
 
     python benchmarks/pipeline.py [--steps 60] [--warmup 5] [--out results/pipeline.json] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,18 @@ def measure(row: dict, warmup: int) -> dict:
     wall = sum(wait) + sum(step)
     if not keep or wall <= 0:
         return {"measured_steps": 0}
-    return {"measured_steps": len(keep), "steps_per_hour": 3600 * len(keep) / wall,
-            "steps_per_hour_e2e": 3600 * row["steps"] / row["wall_s"] if row["wall_s"] else None,
-            "rollout_share": sum(wait) / wall, "push_share": sum(sync) / wall,
-            "train_share": (sum(step) - sum(sync)) / wall, "wait_s_median": statistics.median(wait),
-            "step_s_median": statistics.median(step), "sync_s_median": statistics.median(sync),
-            "staleness_mean": statistics.fmean(c["staleness/mean"][i] or 0.0 for i in keep)}
+    return {
+        "measured_steps": len(keep),
+        "steps_per_hour": 3600 * len(keep) / wall,
+        "steps_per_hour_e2e": 3600 * row["steps"] / row["wall_s"] if row["wall_s"] else None,
+        "rollout_share": sum(wait) / wall,
+        "push_share": sum(sync) / wall,
+        "train_share": (sum(step) - sum(sync)) / wall,
+        "wait_s_median": statistics.median(wait),
+        "step_s_median": statistics.median(step),
+        "sync_s_median": statistics.median(sync),
+        "staleness_mean": statistics.fmean(c["staleness/mean"][i] or 0.0 for i in keep),
+    }
 
 
 def ratios(rows: list[dict]) -> dict:
@@ -76,20 +83,45 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.warmup = 4, 1
     root, info = demo("add", args.demo_dir)
     base = demo_overrides(root, info) + (QUICK if args.quick else ["eval.max_problems=32"])
-    runs = [Run(f"{q}-stale{ms}", 0, base + [f"rollout.quant={q}", f"async.max_staleness={ms}"], args.steps,
-                os.path.abspath(os.path.join(args.runs_dir, f"{q}-stale{ms}")), ["eval.every=0", "checkpoint.every=0"])
-            for q in quants for ms in staleness]
+    runs = [
+        Run(
+            f"{q}-stale{ms}",
+            0,
+            base + [f"rollout.quant={q}", f"async.max_staleness={ms}"],
+            args.steps,
+            os.path.abspath(os.path.join(args.runs_dir, f"{q}-stale{ms}")),
+            ["eval.every=0", "checkpoint.every=0"],
+        )
+        for q in quants
+        for ms in staleness
+    ]
     started = time.time()
     failed = run_all(runs, parallel=1, desc="pipeline")
     rows = []
     for run, quant_ms in zip(runs, [(q, ms) for q in quants for ms in staleness]):
         got = read_run(run)
-        rows.append({"quant": quant_ms[0], "max_staleness": quant_ms[1], "steps": got["steps"], "ok": got["ok"],
-                     "wall_s": got["wall_s"], **measure(got, args.warmup)})
+        rows.append(
+            {
+                "quant": quant_ms[0],
+                "max_staleness": quant_ms[1],
+                "steps": got["steps"],
+                "ok": got["ok"],
+                "wall_s": got["wall_s"],
+                **measure(got, args.warmup),
+            }
+        )
     from common import machine_info
 
-    result = {"benchmark": "pipeline", "machine": machine_info(), "steps": args.steps, "warmup": args.warmup,
-              "rows": rows, "ratios": ratios(rows), "failed": failed, "wall_s": round(time.time() - started, 1)}
+    result = {
+        "benchmark": "pipeline",
+        "machine": machine_info(),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rows": rows,
+        "ratios": ratios(rows),
+        "failed": failed,
+        "wall_s": round(time.time() - started, 1),
+    }
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -16,6 +16,7 @@ Parts (all by default, or a subset with --parts):
 
     python benchmarks/real_model.py [--parts mismatch,decode,learner,sync] [--threads 2] [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit, machine_info  # noqa: E402  (benchmarks/common.py)
+
 from qurl.data import PromptDataset  # noqa: E402
 from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
 from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
@@ -39,8 +41,12 @@ from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 PARTS = ("mismatch", "decode", "learner", "sync")
 RECIPE_LR = 1e-5  # configs/smollm2-gsm-cpu.yaml train.lr
-DECODE_FORMATS = {"fp32": ("none", "float32"), "bf16": ("none", "bfloat16"), "int8": ("int8", "float32"),
-                  "fp8": ("fp8", "float32")}
+DECODE_FORMATS = {
+    "fp32": ("none", "float32"),
+    "bf16": ("none", "bfloat16"),
+    "int8": ("int8", "float32"),
+    "fp8": ("fp8", "float32"),
+}
 
 
 def real_paths() -> tuple[str, str]:
@@ -71,21 +77,34 @@ def mismatch_rows(model: str, prompts: list[list[int]], new_tokens: int, tmp: st
         path = model if s == 1.0 else scaled_copy(model, os.path.join(tmp, f"s{s}"), s)
         engine = load_engine(path, quant=quant, max_batch=len(prompts), max_seq_len=512)
         tokens = new_tokens if quant != "fp8" else max(2, new_tokens // 4)  # fp8 on CPU is a correctness path
-        reqs = [GenRequest(p, max_new_tokens=tokens, temperature=1.0, seed=i, stop_token_ids=[2])
-                for i, p in enumerate(prompts)]
+        reqs = [
+            GenRequest(p, max_new_tokens=tokens, temperature=1.0, seed=i, stop_token_ids=[2])
+            for i, p in enumerate(prompts)
+        ]
         log_rho = []
         for p, res in zip(prompts, engine.generate(reqs)):
             sample = res.samples[0]
-            logits = hf(torch.tensor([p + sample.token_ids])).logits[0, len(p) - 1:-1]
+            logits = hf(torch.tensor([p + sample.token_ids])).logits[0, len(p) - 1 : -1]
             fp = torch.log_softmax(logits, -1).gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
             log_rho.append(fp - torch.tensor(sample.logprobs))
         lr = torch.cat(log_rho).double()
         rho = lr.exp()
-        rows.append({"part": "mismatch", "quant": quant, "s": s, "reference": "transformers fp32",
-                     "prompts": len(prompts), "tokens": lr.numel(), "temperature": 1.0,
-                     "kl_k3": (rho - 1 - lr).mean().item(), "kl_k1": (-lr).mean().item(),
-                     "rho_max": rho.max().item(), "rho_min": rho.min().item(),
-                     "abs_log_rho_mean": lr.abs().mean().item()})
+        rows.append(
+            {
+                "part": "mismatch",
+                "quant": quant,
+                "s": s,
+                "reference": "transformers fp32",
+                "prompts": len(prompts),
+                "tokens": lr.numel(),
+                "temperature": 1.0,
+                "kl_k3": (rho - 1 - lr).mean().item(),
+                "kl_k1": (-lr).mean().item(),
+                "rho_max": rho.max().item(),
+                "rho_min": rho.min().item(),
+                "abs_log_rho_mean": lr.abs().mean().item(),
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -107,13 +126,25 @@ def decode_rows(model: str, prompts: list[list[int]], new_tokens: int, repeats: 
 
         prefill = statistics.median(timed(1) for _ in range(repeats))
         whole = statistics.median(timed(tokens) for _ in range(repeats))
-        rows.append({"part": "decode", "config": name, "quant": quant, "model_dtype": dtype, "batch": len(prompts),
-                     "prompt_len_mean": statistics.mean(map(len, prompts)), "new_tokens": tokens,
-                     "prefill_s": round(prefill, 3), "seconds": round(whole, 3),
-                     # None when load noise makes the whole generation look no longer than its prefill
-                     "decode_tokens_per_s": (round(len(prompts) * (tokens - 1) / (whole - prefill), 1)
-                                             if whole > prefill else None),
-                     "tokens_per_s": round(len(prompts) * tokens / whole, 1), "repeats": repeats})
+        rows.append(
+            {
+                "part": "decode",
+                "config": name,
+                "quant": quant,
+                "model_dtype": dtype,
+                "batch": len(prompts),
+                "prompt_len_mean": statistics.mean(map(len, prompts)),
+                "new_tokens": tokens,
+                "prefill_s": round(prefill, 3),
+                "seconds": round(whole, 3),
+                # None when load noise makes the whole generation look no longer than its prefill
+                "decode_tokens_per_s": (
+                    round(len(prompts) * (tokens - 1) / (whole - prefill), 1) if whole > prefill else None
+                ),
+                "tokens_per_s": round(len(prompts) * tokens / whole, 1),
+                "repeats": repeats,
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -124,11 +155,20 @@ def learner_rows(model: str, steps: int, threads: int, tmp: str) -> list[dict]:
     workload = (4, 4, 230, 100)  # prompts, samples, prompt tokens, response tokens: the recipe's shapes
     rows = []
     for precision in ("fp32", "bf16"):
-        metrics = run_learner(tmp, model, 1, "int8", 1 + steps, workload, threads,
-                              train={"precision": precision, "mini_batches": 2})
-        row = {"part": "learner", "precision": precision, "prompts": workload[0], "samples": workload[1],
-               "prompt_len": workload[2], "response_len": workload[3], "mini_batches": 2,
-               "threads": threads, **summarize(metrics, 1)}
+        metrics = run_learner(
+            tmp, model, 1, "int8", 1 + steps, workload, threads, train={"precision": precision, "mini_batches": 2}
+        )
+        row = {
+            "part": "learner",
+            "precision": precision,
+            "prompts": workload[0],
+            "samples": workload[1],
+            "prompt_len": workload[2],
+            "response_len": workload[3],
+            "mini_batches": 2,
+            "threads": threads,
+            **summarize(metrics, 1),
+        }
         row["train_s"] = row["step_s"] - row["push_s"]
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -140,11 +180,13 @@ def sync_rows(model: str, gsm: str, pushes: int, threads: int) -> list[dict]:
 
     tok = AutoTokenizer.from_pretrained(model)
     with open(os.path.join(gsm, "train.jsonl")) as f:
-        texts = [(lambda r: r["prompt"][-1]["content"] + " #### " + r["reward_model"]["ground_truth"])(json.loads(x))
-                 for _, x in zip(range(sync.BATCH * pushes * 2), f)]
+        texts = [
+            (lambda r: r["prompt"][-1]["content"] + " #### " + r["reward_model"]["ground_truth"])(json.loads(x))
+            for _, x in zip(range(sync.BATCH * pushes * 2), f)
+        ]
     ids = [i for t in texts for i in tok(t)["input_ids"]]
     need = sync.BATCH * sync.SEQ
-    data = [torch.tensor(ids[k * need:(k + 1) * need]).view(sync.BATCH, sync.SEQ) for k in range(pushes)]
+    data = [torch.tensor(ids[k * need : (k + 1) * need]).view(sync.BATCH, sync.SEQ) for k in range(pushes)]
     rows = []
     for s in (1.0, 1.5):
         runs = sync.run("smollm2-135m", model, RECIPE_LR, s, data, threads)
@@ -186,8 +228,15 @@ def main(argv: list[str] | None = None) -> int:
             rows += learner_rows(model, args.steps, args.threads, tmp)
         if "sync" in parts:
             rows += sync_rows(model, gsm, args.pushes, args.threads)
-    emit({"benchmark": "real_model", "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32)",
-          "machine": machine_info(load_avg_1m=f"{os.getloadavg()[0]:.2f}"), "rows": rows}, args.out)
+    emit(
+        {
+            "benchmark": "real_model",
+            "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32)",
+            "machine": machine_info(load_avg_1m=f"{os.getloadavg()[0]:.2f}"),
+            "rows": rows,
+        },
+        args.out,
+    )
     return 0
 
 

@@ -6,6 +6,7 @@ and continuous against static batching on RL-shaped response lengths (tokens_per
 Prints one JSON object (design.md section 9). Configurations are measured round-robin, one repeat of
 each per round, so that load from other processes spreads over all of them; rows hold medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,18 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import QWEN2_150M, emit, machine_info  # noqa: E402  (benchmarks/common.py)
+
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 FULL = QWEN2_150M
-QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=128, vocab_size=256)
+QUICK = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=256,
+)
 # config -> (quant, model dtype). "+bf16": quantized linears with bf16 embeddings, norms, lm_head and KV cache
 OWN = {
     "fp32": ("none", "float32"),
@@ -44,8 +52,14 @@ HF = {"hf-fp32": torch.float32, "hf-bf16": torch.bfloat16}
 def build_model(path: str, quick: bool) -> int:
     """Random-init Qwen2 saved as a HF folder; returns its parameter count."""
     torch.manual_seed(0)
-    cfg = Qwen2Config(**(QUICK if quick else FULL), max_position_embeddings=4096, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = Qwen2Config(
+        **(QUICK if quick else FULL),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(path, safe_serialization=True)
     return sum(p.numel() for p in model.parameters())
@@ -70,15 +84,25 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def own_decode(engine, batch: int, prompt_len: int, new_tokens: int, vocab: int):
-    reqs = [GenRequest(p, max_new_tokens=new_tokens, temperature=1.0, seed=i)
-            for i, p in enumerate(prompts(batch, prompt_len, vocab, batch))]
+    reqs = [
+        GenRequest(p, max_new_tokens=new_tokens, temperature=1.0, seed=i)
+        for i, p in enumerate(prompts(batch, prompt_len, vocab, batch))
+    ]
     return lambda: engine.generate(reqs)
 
 
 def hf_decode(model, batch: int, prompt_len: int, new_tokens: int, vocab: int, device: str):
     ids = torch.tensor(prompts(batch, prompt_len, vocab, batch), device=device)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0,
-              top_p=1.0, eos_token_id=None, pad_token_id=0)
+    kw = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return lambda: model.generate(ids, **kw)
 
 
@@ -93,8 +117,10 @@ def rl_runs(engine, lengths: list[int], max_batch: int, prompt_len: int, vocab: 
     """Continuous batching against two static baselines that admit `max_batch` requests and wait for all of them:
     "static" keeps every row computing until the batch's longest response ends (a fixed batch, as in
     transformers `generate`), "static-shrink" lets finished rows leave the batch early."""
-    reqs = [GenRequest(p, max_new_tokens=n, temperature=1.0, seed=i)
-            for i, (p, n) in enumerate(zip(prompts(len(lengths), prompt_len, vocab, 7), lengths))]
+    reqs = [
+        GenRequest(p, max_new_tokens=n, temperature=1.0, seed=i)
+        for i, (p, n) in enumerate(zip(prompts(len(lengths), prompt_len, vocab, 7), lengths))
+    ]
     chunks = [reqs[i : i + max_batch] for i in range(0, len(reqs), max_batch)]
 
     def static():  # per-row seeds: each row's first max_new_tokens tokens are the ones it would make alone
@@ -118,8 +144,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rl-repeats", type=int, default=None, help="repeats of the RL workload (default: --repeats)")
     ap.add_argument("--new-tokens", type=int, default=None, help="decode tokens per sequence (default 64)")
     ap.add_argument("--batches", default=None, help="comma-separated decode batch sizes (default 1,16,64)")
-    ap.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join([*OWN, *HF])}"
-                    " (default: all on CUDA; no fp8 on CPU)")
+    ap.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated subset of {','.join([*OWN, *HF])} (default: all on CUDA; no fp8 on CPU)",
+    )
     ap.add_argument("--rl-requests", type=int, default=None, help="requests in the RL workload (default 64; 0: skip)")
     ap.add_argument("--rl-config", default="int8", choices=list(OWN), help="engine config of the RL workload")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -150,34 +179,69 @@ def main(argv: list[str] | None = None) -> dict:
         for name in configs:
             if name in OWN:
                 quant, dtype = OWN[name]
-                engine = load_engine(tmp, quant=quant, dtype=dtype, device=args.device,
-                                     max_batch=max(batches + [rl_batch]), max_seq_len=max_seq)
+                engine = load_engine(
+                    tmp,
+                    quant=quant,
+                    dtype=dtype,
+                    device=args.device,
+                    max_batch=max(batches + [rl_batch]),
+                    max_seq_len=max_seq,
+                )
                 warmups.append(own_decode(engine, max(batches), prompt_len, 2, vocab))
                 for b in batches:
-                    row = dict(config=name, engine="qurl", dtype=name.split("+")[0].split("-")[0], model_dtype=dtype,
-                               quant=quant, batch=b,
-                               workload="decode", prompt_len=prompt_len, new_tokens=new_tokens, **common)
+                    row = dict(
+                        config=name,
+                        engine="qurl",
+                        dtype=name.split("+")[0].split("-")[0],
+                        model_dtype=dtype,
+                        quant=quant,
+                        batch=b,
+                        workload="decode",
+                        prompt_len=prompt_len,
+                        new_tokens=new_tokens,
+                        **common,
+                    )
                     runs[(name, b)] = (row, own_decode(engine, b, prompt_len, new_tokens, vocab))
             else:
                 model = AutoModelForCausalLM.from_pretrained(tmp, dtype=HF[name]).to(args.device).eval()
                 warmups.append(hf_decode(model, max(batches), prompt_len, 2, vocab, args.device))
                 for b in batches:
-                    row = dict(config=name, engine="hf", dtype=name.split("-")[1],
-                               model_dtype=str(HF[name]).split(".")[1],
-                               batch=b, workload="decode", prompt_len=prompt_len, new_tokens=new_tokens, **common)
+                    row = dict(
+                        config=name,
+                        engine="hf",
+                        dtype=name.split("-")[1],
+                        model_dtype=str(HF[name]).split(".")[1],
+                        batch=b,
+                        workload="decode",
+                        prompt_len=prompt_len,
+                        new_tokens=new_tokens,
+                        **common,
+                    )
                     runs[(name, b)] = (row, hf_decode(model, b, prompt_len, new_tokens, vocab, args.device))
 
         for fn in warmups:  # allocator, kernels, lazy initialisation
             timed(fn, args.device)
         if rl_n:
             quant, dtype = OWN[args.rl_config]
-            engine = load_engine(tmp, quant=quant, dtype=dtype, device=args.device, max_batch=rl_batch,
-                                 max_seq_len=max_seq)
+            engine = load_engine(
+                tmp, quant=quant, dtype=dtype, device=args.device, max_batch=rl_batch, max_seq_len=max_seq
+            )
             for mode, fn in rl_runs(engine, lengths, rl_batch, prompt_len, vocab).items():
-                row = dict(config=args.rl_config, engine="qurl", dtype=args.rl_config.split("+")[0].split("-")[0],
-                           model_dtype=dtype, quant=quant, batch=rl_batch, workload="rl", batching=mode,
-                           requests=rl_n, response_len_mean=statistics.mean(lengths), response_len_max=max(lengths),
-                           response_lens="8 + geometric(mean 80), capped at 256", **common)
+                row = dict(
+                    config=args.rl_config,
+                    engine="qurl",
+                    dtype=args.rl_config.split("+")[0].split("-")[0],
+                    model_dtype=dtype,
+                    quant=quant,
+                    batch=rl_batch,
+                    workload="rl",
+                    batching=mode,
+                    requests=rl_n,
+                    response_len_mean=statistics.mean(lengths),
+                    response_len_max=max(lengths),
+                    response_lens="8 + geometric(mean 80), capped at 256",
+                    **common,
+                )
                 runs[("rl", mode)] = (row, fn)
         times: dict[tuple, list[float]] = {k: [] for k in runs}
         peak: dict[tuple, float] = {}
@@ -197,14 +261,26 @@ def main(argv: list[str] | None = None) -> dict:
         tokens = row["batch"] * row["new_tokens"] if row["workload"] == "decode" else sum(lengths)
         seconds = statistics.median(times[key])
         fastest = min(times[key])
-        rows.append({**row, "tokens": tokens, "seconds": round(seconds, 4), "seconds_min": round(fastest, 4),
-                     "tokens_per_s": round(tokens / seconds, 2), "tokens_per_s_best": round(tokens / fastest, 2),
-                     "repeats": len(times[key]),
-                     **({"peak_gpu_mb": round(peak[key], 1)} if key in peak else {})})
-    result = {"benchmark": "rollout_throughput", "machine": machine_info(), "rows": rows,
-              "ratios": ratios(rows, 4 if q else 16),
-              # from each row's fastest repeat: on a shared machine, the least disturbed view
-              "ratios_best": ratios(rows, 4 if q else 16, "tokens_per_s_best")}
+        rows.append(
+            {
+                **row,
+                "tokens": tokens,
+                "seconds": round(seconds, 4),
+                "seconds_min": round(fastest, 4),
+                "tokens_per_s": round(tokens / seconds, 2),
+                "tokens_per_s_best": round(tokens / fastest, 2),
+                "repeats": len(times[key]),
+                **({"peak_gpu_mb": round(peak[key], 1)} if key in peak else {}),
+            }
+        )
+    result = {
+        "benchmark": "rollout_throughput",
+        "machine": machine_info(),
+        "rows": rows,
+        "ratios": ratios(rows, 4 if q else 16),
+        # from each row's fastest repeat: on a shared machine, the least disturbed view
+        "ratios_best": ratios(rows, 4 if q else 16, "tokens_per_s_best"),
+    }
     emit(result, args.out)
     return result
 
@@ -217,10 +293,21 @@ def ratios(rows: list[dict], batch: int, measure: str = "tokens_per_s") -> dict:
             tps[r["config"]] = r[measure]
         elif r["workload"] == "rl":
             tps[r["batching"]] = r[measure]
-    pairs = [("int8", "fp32"), ("int8", "bf16"), ("int8+bf16", "fp32"), ("int8+bf16", "bf16"), ("bf16", "fp32"),
-             ("fp8", "fp32"), ("fp8-channel+bf16", "bf16"), ("fp32", "hf-fp32"), ("bf16", "hf-bf16"),
-             ("int8", "hf-fp32"), ("int8+bf16", "hf-bf16"),
-             ("continuous", "static"), ("continuous", "static-shrink")]
+    pairs = [
+        ("int8", "fp32"),
+        ("int8", "bf16"),
+        ("int8+bf16", "fp32"),
+        ("int8+bf16", "bf16"),
+        ("bf16", "fp32"),
+        ("fp8", "fp32"),
+        ("fp8-channel+bf16", "bf16"),
+        ("fp32", "hf-fp32"),
+        ("bf16", "hf-bf16"),
+        ("int8", "hf-fp32"),
+        ("int8+bf16", "hf-bf16"),
+        ("continuous", "static"),
+        ("continuous", "static-shrink"),
+    ]
     out = {}
     for a, b in pairs:
         if a in tps and b in tps:

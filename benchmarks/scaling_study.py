@@ -12,6 +12,7 @@ driver, flags and --quick as ablation.py; writes OUT/scaling.json and OUT/scalin
 
     python benchmarks/scaling_study.py [--steps 300] [--seeds 0] [--out results] [--weight-bits 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,18 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ablation import INT, build_runs, suffix  # noqa: E402
-from demo_runs import (DEMO_CONFIG, add_common_args, check_args, demo, mean_std, plot_curve, read_run,  # noqa: E402
-                       run_all, strip_curves, write_result)
+from demo_runs import (  # noqa: E402
+    DEMO_CONFIG,
+    add_common_args,
+    check_args,
+    demo,
+    mean_std,
+    plot_curve,
+    read_run,
+    run_all,
+    strip_curves,
+    write_result,
+)
 
 BASE = [INT, "algo.loss=acr"]
 
@@ -61,8 +72,10 @@ def configs(model_dir: str) -> dict[str, tuple[list[str], float]]:
         "s1.0": (BASE + ["quant.invariant_scaling.s=1.0"], 1.0),
         "s1.5": (BASE + ["quant.invariant_scaling.s=1.5"], 1 + 0.5 * qkv),
         "s2.0": (BASE + ["quant.invariant_scaling.s=2.0"], 1 + 1.0 * qkv),
-        "s1.5-mlp": (BASE + ["quant.invariant_scaling.s=1.5", "quant.invariant_scaling.targets=[qkv,mlp]"],
-                     1 + 0.5 * qkv_mlp),
+        "s1.5-mlp": (
+            BASE + ["quant.invariant_scaling.s=1.5", "quant.invariant_scaling.targets=[qkv,mlp]"],
+            1 + 0.5 * qkv_mlp,
+        ),
         "lr1.5x": (BASE + ["quant.invariant_scaling.s=1.0", f"train.lr={lr * 1.5:g}"], 1.5),
     }
 
@@ -79,9 +92,18 @@ def report(rows: list[dict], expected: dict[str, float], skip: int) -> list[dict
         mine = [r for r in rows if r["config"] == name and r["ok"]]
         changed, changed_std = mean_std([window_mean(r, "sync/changed_frac", skip) for r in mine])
         kl, kl_std = mean_std([window_mean(r, "mismatch/kl_k3", skip) for r in mine])
-        out.append({"config": name, "n": len(mine), "changed_frac_mean": changed, "changed_frac_std": changed_std,
-                    "kl_k3_mean": kl, "kl_k3_std": kl_std, "final_acc_mean": mean_std([r["final_acc"] for r in mine])[0],
-                    "expected_factor": factor})
+        out.append(
+            {
+                "config": name,
+                "n": len(mine),
+                "changed_frac_mean": changed,
+                "changed_frac_std": changed_std,
+                "kl_k3_mean": kl,
+                "kl_k3_std": kl_std,
+                "final_acc_mean": mean_std([r["final_acc"] for r in mine])[0],
+                "expected_factor": factor,
+            }
+        )
     ref = next((a["changed_frac_mean"] for a in out if a["config"] == "s1.0"), None)
     for a in out:
         a["changed_frac_factor"] = a["changed_frac_mean"] / ref if ref and a["changed_frac_mean"] is not None else None
@@ -119,19 +141,34 @@ def main(argv: list[str] | None = None) -> int:
     skip = 1 if args.steps > 1 else 0
     from common import machine_info
 
-    result = {"benchmark": "scaling_study", "machine": machine_info(), "task": args.task,
-              "weight_bits": args.weight_bits, "mini_batches": args.mini_batches, "steps": args.steps,
-              "seeds": args.seeds, "summary": report(rows, {name: f for name, (_, f) in table.items()}, skip),
-              "note": f"means over steps {skip + 1}..{args.steps}; changed_frac_factor = changed_frac_mean / s1.0's",
-              "rows": rows, "failed": failed, "wall_s": round(sum(r["wall_s"] for r in rows), 1),
-              "invocation_wall_s": round(time.time() - started, 1)}
+    result = {
+        "benchmark": "scaling_study",
+        "machine": machine_info(),
+        "task": args.task,
+        "weight_bits": args.weight_bits,
+        "mini_batches": args.mini_batches,
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "summary": report(rows, {name: f for name, (_, f) in table.items()}, skip),
+        "note": f"means over steps {skip + 1}..{args.steps}; changed_frac_factor = changed_frac_mean / s1.0's",
+        "rows": rows,
+        "failed": failed,
+        "wall_s": round(sum(r["wall_s"] for r in rows), 1),
+        "invocation_wall_s": round(time.time() - started, 1),
+    }
     path = write_result(args.out, "scaling" + suffix(args), result)
-    plot(rows, os.path.join(args.out, f"scaling{suffix(args)}.png"),
-         f"invariant scaling: int8 ACR, task {args.task}, weight bits {args.weight_bits}, {args.steps} steps")
+    plot(
+        rows,
+        os.path.join(args.out, f"scaling{suffix(args)}.png"),
+        f"invariant scaling: int8 ACR, task {args.task}, weight bits {args.weight_bits}, {args.steps} steps",
+    )
     print(json.dumps(strip_curves(result), indent=1))
     for a in result["summary"]:
-        print(f"{a['config']:7s} changed_frac {a['changed_frac_mean'] or 0:.4g} (x{a['changed_frac_factor'] or 0:.2f}, "
-              f"expected x{a['expected_factor']:.2f})  kl_k3 {a['kl_k3_mean'] or 0:.3g}", file=sys.stderr)
+        print(
+            f"{a['config']:7s} changed_frac {a['changed_frac_mean'] or 0:.4g} (x{a['changed_frac_factor'] or 0:.2f}, "
+            f"expected x{a['expected_factor']:.2f})  kl_k3 {a['kl_k3_mean'] or 0:.3g}",
+            file=sys.stderr,
+        )
     print(f"scaling: {len(runs)} runs, all attempts {result['wall_s']:.0f} s; wrote {path}", file=sys.stderr)
     return 1 if failed else 0
 

@@ -9,6 +9,7 @@ them. A benchmark whose script is not in this checkout is skipped; one whose JSO
 
     python benchmarks/summary.py [--results results] [--out benchmarks/RESULTS.md] [--run [--quick]]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # name (of the JSON), script, extra flags, what it measures; the speed benchmarks take --out FILE, the demo
 # experiments --out FOLDER and show their per-config "summary" instead of their rows.
 BENCHMARKS = (
-    ("rollout_throughput", "rollout_throughput", [], "decode tokens/s of the embedded engine per weight format, "
-     "against transformers"),
+    (
+        "rollout_throughput",
+        "rollout_throughput",
+        [],
+        "decode tokens/s of the embedded engine per weight format, against transformers",
+    ),
     ("wire", "wire", [], "trajectory messages/s and weight-push MB/s over ZeroMQ"),
     ("learner_step", "learner_step", [], "learner step time, tokens/s, weight-push seconds and bytes per quantization"),
     ("sync", "sync", [], "weight-push cost, full against delta pushes"),
@@ -36,8 +41,7 @@ EXPERIMENTS = ("ablation", "scaling_study")
 
 def command(name: str, script: str, flags: list[str], results: str, quick: bool = False) -> list[str]:
     out = results if script in EXPERIMENTS else os.path.join(results, f"{name}.json")
-    return [sys.executable, os.path.join(HERE, f"{script}.py"), *flags, *(["--quick"] if quick else []),
-            "--out", out]
+    return [sys.executable, os.path.join(HERE, f"{script}.py"), *flags, *(["--quick"] if quick else []), "--out", out]
 
 
 def _cell(value) -> str:
@@ -62,14 +66,18 @@ def section(name: str, script: str, flags: list[str], what: str, results: str) -
     lines = [f"## {name}", "", what + ".", ""]
     path = os.path.join(results, f"{name}.json")
     if not os.path.exists(os.path.join(HERE, f"{script}.py")):
-        return lines + ["Not in this checkout (benchmarks/%s.py is missing)." % script, ""]
+        return lines + [f"Not in this checkout (benchmarks/{script}.py is missing).", ""]
     if not os.path.exists(path):
         return lines + [f"Not run yet: `{shown}`", ""]
     with open(path) as f:
         data = json.load(f)
     machine = data.get("machine", {})
-    lines += [f"Command: `{shown}`", "",
-              "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if v is not None), ""]
+    lines += [
+        f"Command: `{shown}`",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if v is not None),
+        "",
+    ]
     if data.get("wall_s") is not None:
         lines += [f"Wall time: {data['wall_s']:.0f} s", ""]
     lines += table(data.get("summary" if script in EXPERIMENTS else "rows", [])) + [""]
@@ -95,10 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             done = subprocess.run(command(name, script, flags, args.results, args.quick), stdout=subprocess.DEVNULL)
             if done.returncode != 0:
                 failed.append(name)
-    lines = ["# Benchmark results", "",
-             "Written by `python benchmarks/summary.py`; each section names the command that produced its numbers.",
-             "Timings on shared machines are noisy: compare ratios measured in the same run, not absolute values.",
-             ""]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Written by `python benchmarks/summary.py`; each section names the command that produced its numbers.",
+        "Timings on shared machines are noisy: compare ratios measured in the same run, not absolute values.",
+        "",
+    ]
     for name, script, flags, what in BENCHMARKS:
         lines += section(name, script, flags, what, args.results)
     with open(args.out, "w") as f:

@@ -10,6 +10,7 @@ full_every-th push is full. Checksum rows time CRC-32 (what qurl.delta uses) aga
 
     python benchmarks/sync.py [--quick] [--threads 1] [--pushes N] [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import QWEN2_150M, emit, machine_info  # noqa: E402  (benchmarks/common.py)
+
 from qurl import delta  # noqa: E402
 from qurl.frames import from_torch  # noqa: E402
 from qurl.protocol import WeightPush, decode, encode  # noqa: E402
@@ -36,8 +38,14 @@ from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
 from rollout_server.engines import load_engine  # noqa: E402
 
 LARGE = QWEN2_150M
-QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=128, vocab_size=512)
+QUICK = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+)
 DEMO_LR, LARGE_LR = 1.5e-4, 1e-6
 SCALED = ("q_proj", "k_proj", "v_proj")  # what invariant scaling divides by s (targets qkv)
 SCALES = (1.0, 1.5, 2.0)
@@ -46,8 +54,10 @@ BATCH, SEQ = 8, 32
 
 
 def demo_dir() -> str:
-    path = os.environ.get("QURL_DEMO_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                        ".cache", "qurl-demo"))
+    path = os.environ.get(
+        "QURL_DEMO_DIR",
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "qurl-demo"),
+    )
     if not os.path.isfile(os.path.join(path, "model", "config.json")):
         raise SystemExit(f"sync.py: no demo at {path}; run qurl-prepare-demo or set QURL_DEMO_DIR")
     return path
@@ -60,13 +70,19 @@ def batches(demo: str, count: int) -> list[torch.Tensor]:
         rows = [json.loads(line) for _, line in zip(range(BATCH * count * 4), f)]
     ids = [i for r in rows for i in tok(f"{r['problem']} {r['answer']}\n")["input_ids"]]
     need = BATCH * SEQ
-    return [torch.tensor(ids[k * need:(k + 1) * need]).view(BATCH, SEQ) for k in range(count)]
+    return [torch.tensor(ids[k * need : (k + 1) * need]).view(BATCH, SEQ) for k in range(count)]
 
 
 def random_model(path: str, quick: bool) -> None:
     torch.manual_seed(0)
-    cfg = Qwen2Config(**(QUICK if quick else LARGE), max_position_embeddings=512, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = Qwen2Config(
+        **(QUICK if quick else LARGE),
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
 
 
@@ -76,7 +92,9 @@ def wire_bytes(frames: list) -> int:
 
 def code_bytes(push: WeightPush, checked: set[str]) -> int:
     """Bytes of the codes and scales part of a push (whole or as idx / val pairs)."""
-    return sum(t.data.nbytes for name, t in push.tensors.items() if name.rpartition("@")[0] in checked or name in checked)
+    return sum(
+        t.data.nbytes for name, t in push.tensors.items() if name.rpartition("@")[0] in checked or name in checked
+    )
 
 
 def changed_share(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], names: list[str]) -> float:
@@ -113,8 +131,12 @@ def run(model_name: str, path: str, lr: float, s: float, data: list[torch.Tensor
         scaled = [k for k in codes if k.split(".")[-2] in SCALED]
 
         t0 = time.perf_counter()
-        full = WeightPush(version=version, scheme="int8", checksum=delta.checksum(new),
-                          tensors={k: from_torch(v) for k, v in new.items()})
+        full = WeightPush(
+            version=version,
+            scheme="int8",
+            checksum=delta.checksum(new),
+            tensors={k: from_torch(v) for k, v in new.items()},
+        )
         full_frames = encode(full, sender="learner", session="s", seq=2 * version)
         t1 = time.perf_counter()
         whole, deltas = delta.diff(prev, new)
@@ -129,31 +151,64 @@ def run(model_name: str, path: str, lr: float, s: float, data: list[torch.Tensor
         assert delta.checksum(named) == got.checksum
         engine.update_weights(named, version)
         t4 = time.perf_counter()
-        rows.append({
-            "kind": "push", "model": model_name, "model_params": params, "lr": lr, "s": s, "version": version,
-            "threads": threads, "changed_frac": changed, "changed_frac_qkv": changed_share(prev, new, scaled),
-            "changed_frac_other": changed_share(prev, new, [k for k in codes if k not in scaled]),
-            "delta_tensors": len(deltas),
-            "full_bytes": wire_bytes(full_frames), "delta_bytes": wire_bytes(delta_frames),
-            "bytes_ratio": wire_bytes(delta_frames) / wire_bytes(full_frames),
-            "full_code_bytes": code_bytes(full, checked), "delta_code_bytes": code_bytes(push, checked),
-            "code_bytes_ratio": code_bytes(push, checked) / code_bytes(full, checked),
-            "full_encode_s": t1 - t0, "delta_encode_s": t2 - t1, "delta_apply_s": t3 - t2, "full_apply_s": t4 - t3,
-        })
+        rows.append(
+            {
+                "kind": "push",
+                "model": model_name,
+                "model_params": params,
+                "lr": lr,
+                "s": s,
+                "version": version,
+                "threads": threads,
+                "changed_frac": changed,
+                "changed_frac_qkv": changed_share(prev, new, scaled),
+                "changed_frac_other": changed_share(prev, new, [k for k in codes if k not in scaled]),
+                "delta_tensors": len(deltas),
+                "full_bytes": wire_bytes(full_frames),
+                "delta_bytes": wire_bytes(delta_frames),
+                "bytes_ratio": wire_bytes(delta_frames) / wire_bytes(full_frames),
+                "full_code_bytes": code_bytes(full, checked),
+                "delta_code_bytes": code_bytes(push, checked),
+                "code_bytes_ratio": code_bytes(push, checked) / code_bytes(full, checked),
+                "full_encode_s": t1 - t0,
+                "delta_encode_s": t2 - t1,
+                "delta_apply_s": t3 - t2,
+                "full_apply_s": t4 - t3,
+            }
+        )
         prev = new
     return rows
 
 
 def summary(rows: list[dict]) -> dict:
     """Medians over the pushes of one (model, s) run, and mean wire bytes per push with every FULL_EVERY-th full."""
-    med = {k: statistics.median(r[k] for r in rows) for k in
-           ("changed_frac", "changed_frac_qkv", "changed_frac_other", "bytes_ratio", "code_bytes_ratio", "full_bytes",
-            "delta_bytes", "full_encode_s", "delta_encode_s", "delta_apply_s", "full_apply_s")}
+    med = {
+        k: statistics.median(r[k] for r in rows)
+        for k in (
+            "changed_frac",
+            "changed_frac_qkv",
+            "changed_frac_other",
+            "bytes_ratio",
+            "code_bytes_ratio",
+            "full_bytes",
+            "delta_bytes",
+            "full_encode_s",
+            "delta_encode_s",
+            "delta_apply_s",
+            "full_apply_s",
+        )
+    }
     mean_push = (med["full_bytes"] + (FULL_EVERY - 1) * med["delta_bytes"]) / FULL_EVERY
     first = rows[0]
-    return {"kind": "summary", **{k: first[k] for k in ("model", "model_params", "lr", "s", "threads")},
-            "pushes": len(rows), **med, "full_every": FULL_EVERY, "mean_bytes_per_push": mean_push,
-            "mean_bytes_ratio": mean_push / med["full_bytes"]}
+    return {
+        "kind": "summary",
+        **{k: first[k] for k in ("model", "model_params", "lr", "s", "threads")},
+        "pushes": len(rows),
+        **med,
+        "full_every": FULL_EVERY,
+        "mean_bytes_per_push": mean_push,
+        "mean_bytes_ratio": mean_push / med["full_bytes"],
+    }
 
 
 def scaling_ratios(rows: list[dict]) -> dict[str, float]:
@@ -164,7 +219,8 @@ def scaling_ratios(rows: list[dict]) -> dict[str, float]:
         if r["kind"] == "summary" and r["s"] != 1.0 and base[r["model"]]["changed_frac_qkv"] > 0:
             for part in ("qkv", "other"):
                 out[f"{r['model']}/s{r['s']:g}/changed_{part}"] = round(
-                    r[f"changed_frac_{part}"] / base[r["model"]][f"changed_frac_{part}"], 3)
+                    r[f"changed_frac_{part}"] / base[r["model"]][f"changed_frac_{part}"], 3
+                )
     return out
 
 
@@ -188,15 +244,26 @@ def checksum_rows(model_name: str, path: str, repeats: int = 3) -> list[dict]:
         return crc
 
     out = []
-    for name, fn in (("qurl.delta.checksum", lambda: delta.checksum(checked)), ("crc32", crc_only),
-                     ("blake2b-128", blake)):
+    for name, fn in (
+        ("qurl.delta.checksum", lambda: delta.checksum(checked)),
+        ("crc32", crc_only),
+        ("blake2b-128", blake),
+    ):
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
-        out.append({"kind": "checksum", "model": model_name, "hash": name, "bytes": nbytes,
-                    "seconds": statistics.median(times), "repeats": repeats})
+        out.append(
+            {
+                "kind": "checksum",
+                "model": model_name,
+                "hash": name,
+                "bytes": nbytes,
+                "seconds": statistics.median(times),
+                "repeats": repeats,
+            }
+        )
     return out
 
 
@@ -216,8 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         large = os.path.join(tmp, "large")
         random_model(large, args.quick)
         large_name = "qwen2-random-quick" if args.quick else "qwen2-random-160m"
-        for name, path, lr, pushes in (("demo", os.path.join(demo, "model"), DEMO_LR, demo_pushes),
-                                       (large_name, large, LARGE_LR, large_pushes)):
+        for name, path, lr, pushes in (
+            ("demo", os.path.join(demo, "model"), DEMO_LR, demo_pushes),
+            (large_name, large, LARGE_LR, large_pushes),
+        ):
             data = batches(demo, pushes)
             for s in SCALES:
                 runs = run(name, path, lr, s, data, args.threads)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
@@ -22,8 +21,8 @@ import time
 import numpy as np
 import torch
 import zmq
-
 from common import emit, machine_info  # benchmarks/common.py
+
 from qurl import protocol, transport
 from qurl.frames import ReplayGuard, from_torch
 from qurl.protocol import Sample, TrajectoryGroup, WeightPush, WireTensor
@@ -53,9 +52,7 @@ def trajectory_group(rng: np.random.Generator, samples: int, tokens: int) -> Tra
     )
 
 
-def int8_state(
-    hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int
-) -> dict[str, WireTensor]:
+def int8_state(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int) -> dict[str, WireTensor]:
     """Qwen2-shaped int8 push: random codes and scales, bf16 embeddings and lm_head."""
     rng = np.random.default_rng(0)
     g = torch.Generator().manual_seed(0)
@@ -69,9 +66,7 @@ def int8_state(
         out[f"{name}.weight"] = WireTensor(rng.integers(-127, 128, (n_out, n_in), np.int8), "int8")
         out[f"{name}.weight_scale"] = WireTensor(rng.random(n_out, np.float32) / 127, "float32")
 
-    out["model.embed_tokens.weight"] = from_torch(
-        torch.randn(vocab, hidden, generator=g).bfloat16()
-    )
+    out["model.embed_tokens.weight"] = from_torch(torch.randn(vocab, hidden, generator=g).bfloat16())
     for i in range(layers):
         p = f"model.layers.{i}"
         out[f"{p}.input_layernorm.weight"] = f32(hidden)
@@ -111,9 +106,7 @@ class Link:
 
     def __init__(self) -> None:
         self.ctx = zmq.Context()
-        self.data = transport.bind(
-            self.ctx, zmq.PUSH, "tcp://127.0.0.1:*", secret=None, max_bytes=MAX_BYTES
-        )
+        self.data = transport.bind(self.ctx, zmq.PUSH, "tcp://127.0.0.1:*", secret=None, max_bytes=MAX_BYTES)
         self.ctrl = self.ctx.socket(zmq.PAIR)
         self.ctrl.setsockopt(zmq.LINGER, 0)
         self.ctrl.bind("tcp://127.0.0.1:*")
@@ -191,9 +184,17 @@ def run(quick: bool) -> dict:
             nbytes = message_bytes(group, hmac)
             sec = statistics.median(secs)
             row = {
-                "case": "trajectory", "path": mode, "hmac": hmac, "samples": 8, "tokens": 256,
-                "bytes_per_msg": nbytes, "messages": n_msgs, "repeats": traj_reps,
-                "seconds": sec, "msgs_per_s": n_msgs / sec, "mb_per_s": n_msgs * nbytes / sec / 1e6,
+                "case": "trajectory",
+                "path": mode,
+                "hmac": hmac,
+                "samples": 8,
+                "tokens": 256,
+                "bytes_per_msg": nbytes,
+                "messages": n_msgs,
+                "repeats": traj_reps,
+                "seconds": sec,
+                "msgs_per_s": n_msgs / sec,
+                "mb_per_s": n_msgs * nbytes / sec / 1e6,
             }
             if mode == "protocol":
                 row["encode_us"], row["decode_us"] = _codec_us(group, hmac, 200)
@@ -202,12 +203,22 @@ def run(quick: bool) -> dict:
             secs = [link.trial(mode, push, 1, hmac) for _ in range(push_reps)]
             nbytes = message_bytes(push, hmac)
             sec = statistics.median(secs)
-            rows.append({
-                "case": "weight_push", "path": mode, "hmac": hmac, "model_params": params,
-                "embed_dtype": "bfloat16", "linear_dtype": "int8", "tensors": len(state),
-                "buckets": push_buckets, "bytes": nbytes, "repeats": push_reps, "seconds": sec,
-                "mb_per_s": nbytes / sec / 1e6,
-            })
+            rows.append(
+                {
+                    "case": "weight_push",
+                    "path": mode,
+                    "hmac": hmac,
+                    "model_params": params,
+                    "embed_dtype": "bfloat16",
+                    "linear_dtype": "int8",
+                    "tensors": len(state),
+                    "buckets": push_buckets,
+                    "bytes": nbytes,
+                    "repeats": push_reps,
+                    "seconds": sec,
+                    "mb_per_s": nbytes / sec / 1e6,
+                }
+            )
     finally:
         link.close()
 
@@ -219,8 +230,13 @@ def run(quick: bool) -> dict:
         raw = pick(case, "raw_zmq", False)[key]
         ratios[f"{case}_protocol_vs_raw"] = pick(case, "protocol", False)[key] / raw
         ratios[f"{case}_protocol_hmac_vs_raw"] = pick(case, "protocol", True)[key] / raw
-    return {"benchmark": "wire", "machine": machine_info(pyzmq=zmq.__version__), "quick": quick, "rows": rows,
-            "ratios": ratios}
+    return {
+        "benchmark": "wire",
+        "machine": machine_info(pyzmq=zmq.__version__),
+        "quick": quick,
+        "rows": rows,
+        "ratios": ratios,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,13 +21,14 @@ killed server had handed to the network before it died are not reserved once it 
 that outlives a learner life (the learner resumed) starts over at its own admitted count; what it sent and
 the resumed learner never received went to the dead life and is not reserved.
 """
+
 from __future__ import annotations
 
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 SERVER_GONE_S = 30.0  # a server silent this long is presumed dead: its reservation is returned
 LIVE_S = 3.0  # a server heard from within this long (heartbeats are ~1 s apart) shares new room
@@ -41,15 +42,16 @@ class Holder:
     admitted: int  # its last report
     bad: int  # groups its codec refused (they never arrive)
     seen: float
-    sent_final: Optional[int] = None  # set by its bye: it sends no more than this
+    sent_final: int | None = None  # set by its bye: it sends no more than this
     lost: int = 0  # sent to an earlier learner life and not received by this one: never arrives here
 
 
 class Budget:
     """Grants per server id; snapshot() gives (A, groups received per server id) atomically."""
 
-    def __init__(self, max_staleness: int, batch_prompts: int,
-                 snapshot: Callable[[], tuple[int, dict[str, int]]]) -> None:
+    def __init__(
+        self, max_staleness: int, batch_prompts: int, snapshot: Callable[[], tuple[int, dict[str, int]]]
+    ) -> None:
         self.max_staleness, self.batch_prompts, self.snapshot = max_staleness, batch_prompts, snapshot
         self.holders: dict[str, Holder] = {}
         self.violations = 0  # reports of more groups admitted than granted
@@ -67,7 +69,9 @@ class Budget:
         with self._lock:
             accepted, received = self.snapshot()
             h = self.holders.get(sid)
-            if h is None or h.sent_final is not None:  # new, back after it was presumed dead, or it outlived a learner life
+            if (
+                h is None or h.sent_final is not None
+            ):  # new, back after it was presumed dead, or it outlived a learner life
                 # a server that outlived the learner (its groups were received by an earlier life) sent the rest
                 # to that life: they are lost_at_learner_restart in the books, not in flight to this one
                 lost = 0 if sid in self.expired else max(0, int(counters.get("sent", 0)) - received.get(sid, 0))
@@ -96,8 +100,11 @@ class Budget:
         """Return the reservations of servers silent for SERVER_GONE_S (their ids); forget departed ones settled."""
         with self._lock:
             _, received = self.snapshot()
-            settled = [sid for sid, h in self.holders.items()
-                       if h.sent_final is not None and h.grant - received.get(sid, 0) - h.bad <= 0]
+            settled = [
+                sid
+                for sid, h in self.holders.items()
+                if h.sent_final is not None and h.grant - received.get(sid, 0) - h.bad <= 0
+            ]
             gone = [sid for sid, h in self.holders.items() if h.sent_final is None and now - h.seen >= SERVER_GONE_S]
             for sid in settled + gone:
                 del self.holders[sid]
@@ -129,8 +136,10 @@ class Budget:
         """Peaks of the two sides: reserved (the grants' arithmetic) and held (the servers' own admitted counts)."""
         reserved = accepted + self._reserved(received)
         # a departed server's unsent groups are lost, not held: it holds at most what it sent
-        held = accepted + sum(max(0, (h.admitted if h.sent_final is None else h.grant) - received.get(sid, 0) - h.bad
-                                  - h.lost) for sid, h in self.holders.items())
+        held = accepted + sum(
+            max(0, (h.admitted if h.sent_final is None else h.grant) - received.get(sid, 0) - h.bad - h.lost)
+            for sid, h in self.holders.items()
+        )
         w = self._window
         w["admission/limit"] = limit
         w["admission/max_reserved"] = max(w.get("admission/max_reserved", 0), reserved)

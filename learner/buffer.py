@@ -1,4 +1,5 @@
 """Rank 0's trajectory buffer: pull scored groups, drop stale or uninformative ones (counted), assemble batches."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,6 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -67,8 +67,9 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> Batch:
 class TrajectoryBuffer:
     """FIFO of groups received on the PULL socket; every group that is not used is counted by reason."""
 
-    def __init__(self, receiver: Receiver, *, batch_prompts: int, max_staleness: int, dynamic_sampling: bool,
-                 vocab_size: int) -> None:
+    def __init__(
+        self, receiver: Receiver, *, batch_prompts: int, max_staleness: int, dynamic_sampling: bool, vocab_size: int
+    ) -> None:
         self.receiver = receiver
         self.batch_prompts = batch_prompts
         self.max_staleness = max_staleness
@@ -83,7 +84,8 @@ class TrajectoryBuffer:
         self.response_tokens = 0  # every response token received, used or not
         self.last_arrival = time.monotonic()
         self.life = 1  # learner lives: 1 + resumes
-        # the books' wire evidence: server id -> {"sessions": {session: [accepted, highest seq]}, "life", "restart_gaps"}
+        # the books' wire evidence:
+        # server id -> {"sessions": {session: [accepted, highest seq]}, "life", "restart_gaps"}
         self.wire: dict[str, dict] = {}
         self._resumed_sessions: set[tuple[str, str]] = set()  # checkpointed sessions not heard from since the resume
         self._lock = threading.Lock()  # the control thread reads (A, received per server) as one snapshot
@@ -100,10 +102,17 @@ class TrajectoryBuffer:
 
     def counters(self) -> dict:
         """The buffer's cursor: what a resumed learner continues counting from."""
-        return {"received": self.received, "received_from": dict(self.received_from), "used": self.used,
-                "used_from": dict(self.used_from),
-                "dropped": dict(self.dropped), "response_tokens": self.response_tokens, "buffered": len(self.groups),
-                "life": self.life, "wire": json_copy(self.wire)}
+        return {
+            "received": self.received,
+            "received_from": dict(self.received_from),
+            "used": self.used,
+            "used_from": dict(self.used_from),
+            "dropped": dict(self.dropped),
+            "response_tokens": self.response_tokens,
+            "buffered": len(self.groups),
+            "life": self.life,
+            "wire": json_copy(self.wire),
+        }
 
     def restore(self, counters: dict) -> None:
         """Continue the counts of a checkpoint; the groups that sat in the buffer are not kept (servers make new
@@ -159,7 +168,7 @@ class TrajectoryBuffer:
         else:
             self.groups.append(group)
 
-    def _invalid(self, group: TrajectoryGroup, version: int) -> Optional[str]:
+    def _invalid(self, group: TrajectoryGroup, version: int) -> str | None:
         top = max(int(group.prompt_ids.max()), *(int(s.token_ids.max()) for s in group.samples))
         if top >= self.vocab_size:
             return f"token id {top} is outside the model's vocabulary ({self.vocab_size})"
@@ -174,7 +183,7 @@ class TrajectoryBuffer:
         _, n_dropped = filter_groups(rewards, torch.zeros(len(rewards), dtype=torch.int64))
         return n_dropped > 0
 
-    def take(self, version: int) -> Optional[list[TrajectoryGroup]]:
+    def take(self, version: int) -> list[TrajectoryGroup] | None:
         """The oldest batch_prompts groups once enough fresh ones wait; groups now too stale are dropped first."""
         with self._lock:
             fresh = deque(g for g in self.groups if version - min_version(g) <= self.max_staleness)

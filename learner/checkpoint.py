@@ -18,6 +18,7 @@ safetensors, JSON, and torch.load(weights_only=True) for the RNG tensors. (torch
 would scale better past ~10B parameters but its metadata file is a pickle.) Optimizer hyper-parameters
 come from the config, the lr from the schedule position in state.json.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,7 +26,7 @@ import json
 import os
 import re
 import shutil
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -107,7 +108,7 @@ def _gather_rng() -> list[dict[str, torch.Tensor]]:
 
 
 def _scatter_rng(path: str) -> None:
-    """Collective: rank 0 reads rng_rank{R}.pt for every rank and hands each its own (absent: more ranks than wrote it)."""
+    """Collective: rank 0 reads rng_rank{R}.pt for every rank, hands each its own (absent: more ranks than wrote)."""
     local = _rng_state()
     for r in range(dist.get_world_size()):
         file = os.path.join(path, f"rng_rank{r}.pt")
@@ -144,12 +145,20 @@ def save(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimize
         for r, states in enumerate(rng):
             torch.save(states, os.path.join(tmp, f"rng_rank{r}.pt"))
         aliases = _aliases(model)
-        save_file({k: v.contiguous() for k, v in weights.items() if k not in aliases},
-                  os.path.join(tmp, "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
+        save_file(
+            {k: v.contiguous() for k, v in weights.items() if k not in aliases},
+            os.path.join(tmp, "model.safetensors"),
+            metadata={"aliases": json.dumps(aliases)},
+        )
         save_file(_flat_optim(optim), os.path.join(tmp, "optim.safetensors"))
         _fsync_write(os.path.join(tmp, "state.json"), json.dumps(state, indent=1, sort_keys=True))
-        manifest = {"format": FORMAT, "step": step, "world_size": dist.get_world_size(),
-                    "fingerprint": fingerprint(model), "files": checkpoint_files.describe(tmp)}
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": dist.get_world_size(),
+            "fingerprint": fingerprint(model),
+            "files": checkpoint_files.describe(tmp),
+        }
         _fsync_write(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1, sort_keys=True))
         if os.path.exists(final):  # a rerun of the same step after a crash: the new one wins
             shutil.rmtree(final)
@@ -168,16 +177,18 @@ def _prune(root: str, keep: int) -> None:
 
 
 def check(path: str, model_fingerprint: str) -> dict:
-    """The manifest of an intact checkpoint (sizes and sha256 match) of this model; CheckpointError (one line) otherwise."""
+    """The manifest of an intact checkpoint (sizes and sha256 match) of this model; else CheckpointError (one line)."""
     why, manifest = checkpoint_files.problem(path)
     if why:
         raise CheckpointError(f"{path}: {why}")
     if manifest.get("fingerprint") != model_fingerprint:
-        raise CheckpointError(f"{path}: written for a different model (parameter names or shapes differ from model.path)")
+        raise CheckpointError(
+            f"{path}: written for a different model (parameter names or shapes differ from model.path)"
+        )
     return manifest
 
 
-def find_latest(root: str, model_fingerprint: str, warn: Optional[Callable[[str], None]] = None) -> Optional[str]:
+def find_latest(root: str, model_fingerprint: str, warn: Callable[[str], None] | None = None) -> str | None:
     """The newest complete checkpoint of this model under root; each unusable newer folder costs one warning line."""
     for _, path in step_dirs(root):
         try:
@@ -217,8 +228,9 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         return json.load(f)
 
 
-def export_hf(state_dict: dict[str, torch.Tensor], model_path: str, out_dir: str,
-              scaling: Optional[tuple[float, tuple[str, ...]]]) -> str:
+def export_hf(
+    state_dict: dict[str, torch.Tensor], model_path: str, out_dir: str, scaling: tuple[float, tuple[str, ...]] | None
+) -> str:
     """Write the policy with invariant scaling removed as a Hugging Face folder (+ model.path's tokenizer files)."""
     config = AutoConfig.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

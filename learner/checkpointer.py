@@ -2,13 +2,13 @@
 stop, resume from the newest usable one, the books ledger, the hf/ export and the end-of-run summary, and the
 non-finite guard that keeps bad weights out of all of them. learner/checkpoint.py is the on-disk format.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ class Checkpointer:
         self.root = os.path.join(run_dir, "checkpoints")
         self.saved_step = 0  # nothing to save before the first step
 
-    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Optional[tuple[str, TrainState, dict]]:
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, TrainState, dict] | None:
         """Collective: load the newest complete checkpoint of this model; (path, its TrainState, state.json) or None
         when there is none (a warning says so); StartError when every one there is damaged."""
         step = torch.tensor([-1])
@@ -55,8 +55,10 @@ class Checkpointer:
             if path is not None:
                 step[0] = int(os.path.basename(path).split("_")[1])
             elif skipped:  # starting over would overwrite them: an operator must look first
-                problem = StartError(f"run.resume=true but no checkpoint in {self.root} is usable "
-                                     f"({'; '.join(skipped)}); nothing was changed")
+                problem = StartError(
+                    f"run.resume=true but no checkpoint in {self.root} is usable "
+                    f"({'; '.join(skipped)}); nothing was changed"
+                )
             else:
                 log.warning("run.resume=true but %s holds no checkpoint; starting from model.path", self.root)
         all_started(problem, self.is_main)
@@ -65,8 +67,12 @@ class Checkpointer:
             return None
         path = os.path.join(self.root, f"step_{step.item()}")
         state = checkpoint.load(path, model, optimizer)
-        train_state = TrainState(step=state["step"], version=state["version"],
-                                 skipped_updates=state["skipped_updates"], buffer=state["buffer"])
+        train_state = TrainState(
+            step=state["step"],
+            version=state["version"],
+            skipped_updates=state["skipped_updates"],
+            buffer=state["buffer"],
+        )
         self.saved_step = train_state.step
         return path, train_state, state
 
@@ -74,8 +80,7 @@ class Checkpointer:
         """Every checkpoint.every learner steps."""
         return bool(self.cfg.every) and step % self.cfg.every == 0
 
-    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
-             ledger: Optional[dict]) -> None:
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, ledger: dict | None) -> None:
         """Collective: checkpoints/step_N with rank 0's ledger (None off rank 0), and the books as of it."""
         ledger = ledger if ledger is not None else {"buffer": {}, "reports": {}}
         data = {"step": state.step, "version": state.version, "skipped_updates": state.skipped_updates, **ledger}
@@ -88,22 +93,32 @@ class Checkpointer:
     def require_finite(self, model: nn.Module, step: int) -> None:
         """Collective: one pass over the local shards, so that inf / NaN weights never reach a push, checkpoint
         or hf/."""
-        bad = torch.tensor([sum(int(not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
-                                for p in model.parameters())])
+        bad = torch.tensor(
+            [
+                sum(
+                    int(not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+                    for p in model.parameters()
+                )
+            ]
+        )
         dist.all_reduce(bad)
         if not bad.item():
             return
         saved = os.path.join(self.root, f"step_{self.saved_step}") if self.saved_step else ""
         if step == self.saved_step:  # nothing trained in this life yet: what it loaded is bad
-            line = (f"the weights loaded from {saved or 'model.path=' + repr(self.model_path)} hold inf or NaN "
-                    f"({bad.item()} tensors); stopped before pushing them")
+            line = (
+                f"the weights loaded from {saved or 'model.path=' + repr(self.model_path)} hold inf or NaN "
+                f"({bad.item()} tensors); stopped before pushing them"
+            )
         else:
-            line = (f"step {step}: {bad.item()} weight tensors hold inf or NaN (train.lr={self.lr:g}); stopped "
-                    f"before pushing, checkpointing or exporting them; last good checkpoint: "
-                    f"{saved or 'none (none was written)'}")
+            line = (
+                f"step {step}: {bad.item()} weight tensors hold inf or NaN (train.lr={self.lr:g}); stopped "
+                f"before pushing, checkpointing or exporting them; last good checkpoint: "
+                f"{saved or 'none (none was written)'}"
+            )
         raise NonFiniteWeights(line if self.is_main else "")
 
-    def export(self, model: nn.Module, scaling: Optional[tuple[float, tuple[str, ...]]]) -> None:
+    def export(self, model: nn.Module, scaling: tuple[float, tuple[str, ...]] | None) -> None:
         """Collective: the final policy as hf/, invariant scaling removed (rank 0 writes it)."""
         state = checkpoint.full_state_dict(model)
         if self.is_main:
@@ -113,5 +128,9 @@ class Checkpointer:
     def close_run(self, ledger: dict, config_yaml: str, started: float) -> None:
         """Rank 0, after a clean end: the final books and summary.json."""
         books.write_ledger(self.run_dir, ledger)
-        write_summary(self.run_dir, config_yaml, time.monotonic() - started,
-                      {"books": books.close_run(self.run_dir, learner_ended_cleanly=True)})
+        write_summary(
+            self.run_dir,
+            config_yaml,
+            time.monotonic() - started,
+            {"books": books.close_run(self.run_dir, learner_ended_cleanly=True)},
+        )

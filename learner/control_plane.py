@@ -7,13 +7,13 @@ version again (learner/weight_sender.py builds what goes out). The control chann
 heartbeats are answered during long train steps; the PUB socket is shared with it under a lock (a lock is the
 full memory barrier zmq asks for).
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import zmq
 
@@ -56,10 +56,10 @@ class ControlPlane:
         self.pushes = 0
         self.repushes = 0
         # the current version, whole (or its cuda-ipc WeightRef): what lagging servers get; None: nothing to re-send
-        self._full: Optional[WeightPush | WeightRef] = None
+        self._full: WeightPush | WeightRef | None = None
         self._built_at = -float("inf")  # monotonic time the current version was built
-        self._eval_wanted: Optional[int] = None  # handed to the next server that checks in
-        self._eval_holder: Optional[tuple[str, int]] = None  # (server id, version) asked and not answered yet
+        self._eval_wanted: int | None = None  # handed to the next server that checks in
+        self._eval_holder: tuple[str, int] | None = None  # (server id, version) asked and not answered yet
         self._eval_results: list[tuple[int, dict]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -73,7 +73,7 @@ class ControlPlane:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def adopt(self, version: int, current: Optional[WeightPush | WeightRef]) -> None:
+    def adopt(self, version: int, current: WeightPush | WeightRef | None) -> None:
         """`version` is the learner's now; `current` (its whole push, None: nothing) is what lagging servers get."""
         with self._lock:
             self._full, self.version, self._built_at = current, version, time.monotonic()
@@ -96,8 +96,9 @@ class ControlPlane:
         deadline = time.monotonic() + timeout_s
         while True:
             now = time.monotonic()
-            behind = [sid for sid, s in list(self.servers.items())
-                      if now - s.seen < SERVER_GONE_S and s.version < version]
+            behind = [
+                sid for sid, s in list(self.servers.items()) if now - s.seen < SERVER_GONE_S and s.version < version
+            ]
             if not behind or now >= deadline:
                 return behind
             time.sleep(0.05)
@@ -118,8 +119,9 @@ class ControlPlane:
         now = time.monotonic()
         live = [(sid, s) for sid, s in list(self.servers.items()) if now - s.seen < SERVER_GONE_S]
         if not live:
-            return ("no rollout server has said hello yet" if not self.servers
-                    else "no rollout server heard from for 30 s")
+            return (
+                "no rollout server has said hello yet" if not self.servers else "no rollout server heard from for 30 s"
+            )
         return ", ".join(f"{sid} v{s.version} running {s.running} queued {s.queued}" for sid, s in live)
 
     def _serve(self) -> None:
@@ -129,8 +131,9 @@ class ControlPlane:
             except zmq.ZMQError:  # the context was closed under us at shutdown
                 return
             for sid in self.budget.expire(time.monotonic()):
-                log.warning("rollout server %s silent for %.0f s: presumed gone, its budget returned", sid,
-                            SERVER_GONE_S)
+                log.warning(
+                    "rollout server %s silent for %.0f s: presumed gone, its budget returned", sid, SERVER_GONE_S
+                )
                 self._requeue_eval(sid)
             if got is None:
                 continue
@@ -169,8 +172,14 @@ class ControlPlane:
         info = self.servers.get(msg.server_id)
         if info is None:
             info = self.servers[msg.server_id] = ServerInfo(msg.version, msg.running, msg.queued, now)
-            log.info("rollout server %s says %s (engine %s, quant %s, version %d)",
-                     msg.server_id, msg.type, msg.engine, msg.quant, msg.version)
+            log.info(
+                "rollout server %s says %s (engine %s, quant %s, version %d)",
+                msg.server_id,
+                msg.type,
+                msg.engine,
+                msg.quant,
+                msg.version,
+            )
         if msg.type == "hello" and msg.counters.get("replaces_pid"):  # a restart: the old process is gone
             dead = f"{msg.server_id.rsplit('-', 1)[0]}-{int(msg.counters['replaces_pid'])}"
             self.servers.pop(dead, None)
@@ -198,10 +207,12 @@ class ControlPlane:
                     pass
             # a heartbeat sent before the newest push arrived is not yet lagging: a full repush would undo a
             # delta's savings
-            lagging = msg.type == "resend_weights" or msg.version < version and (
-                msg.type == "hello" or now - self._built_at >= LAG_GRACE_S)
+            lagging = (
+                msg.type == "resend_weights"
+                or msg.version < version
+                and (msg.type == "hello" or now - self._built_at >= LAG_GRACE_S)
+            )
             if push is not None and lagging and now - info.repushed_at >= REPUSH_INTERVAL_S:
                 info.repushed_at = now
                 self.pub.send(push)
                 self.repushes += 1
-

@@ -1,7 +1,6 @@
 """Why the learner stops before or while it trains: the exceptions main.py turns into exit codes, each one line."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -16,7 +15,7 @@ class NonFiniteWeights(RuntimeError):
     rank 0)."""
 
 
-def all_started(problem: Optional[StartError], is_main: bool) -> None:
+def all_started(problem: StartError | None, is_main: bool) -> None:
     """Collective: when any rank failed to start, every rank raises; one line says why (rank 0's if it has one)."""
     flags = torch.tensor([int(problem is not None and is_main), int(problem is not None)])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)

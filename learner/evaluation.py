@@ -2,11 +2,12 @@
 `eval/acc_quant`, measured by a rollout server with its own engine on request over the control channel
 (ControlPlane.request_eval); both use qurl.evaluate.
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -44,7 +45,7 @@ class FpEvaluator:
         self.pool = RewardPool(cfg.reward.name, workers=1, timeout_s=cfg.reward.timeout_s)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> Optional["FpEvaluator"]:
+    def from_config(cls, cfg: Any) -> FpEvaluator | None:
         """None when the config names no eval files."""
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         eval_set = load_eval_set(cfg, tokenizer)
@@ -66,8 +67,9 @@ class FpEvaluator:
 class Evaluation:
     """eval/acc_fp on rank 0 at the start, every eval.every steps and after the last; eval/acc_quant as it arrives."""
 
-    def __init__(self, evaluator: Optional[FpEvaluator], plane: Optional[ControlPlane], scheme: str, every: int,
-                 steps: int) -> None:
+    def __init__(
+        self, evaluator: FpEvaluator | None, plane: ControlPlane | None, scheme: str, every: int, steps: int
+    ) -> None:
         self.evaluator, self.plane, self.scheme, self.every, self.steps = evaluator, plane, scheme, every, steps
 
     def due(self, step: int) -> bool:
@@ -82,8 +84,13 @@ class Evaluation:
         acc = self.evaluator.accuracy(state)
         metrics.log(step, {"eval/acc_fp": acc, "eval/version": version})
         self.plane.request_eval(version)
-        log.info("eval of version %d (full precision): %.4f on %d prompts in %.1f s", version, acc,
-                 len(self.evaluator.eval_set), time.perf_counter() - started)
+        log.info(
+            "eval of version %d (full precision): %.4f on %d prompts in %.1f s",
+            version,
+            acc,
+            len(self.evaluator.eval_set),
+            time.perf_counter() - started,
+        )
 
     def log_quant(self, step: int, metrics: MetricsLogger) -> list[int]:
         """Log the rollout servers' evaluations that arrived; return their versions."""

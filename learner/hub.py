@@ -5,13 +5,14 @@ Rank 0 alone owns the sockets (trajectory PULL, weight PUB, control ROUTER); it 
 collectives that keep every rank in step, broadcasts each batch as tensors, and describes the batch for the
 metrics (`batch_info`). The other ranks take part in the collectives only.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import time
 from collections import Counter
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,15 +38,16 @@ class Hub:
     """Batches in (`next_batch`, a collective on every rank); on rank 0 also the sockets, the buffer and the
     control plane, once `open` has bound them."""
 
-    def __init__(self, env: DistEnv, pad_id: int, batch_prompts: int, async_cfg: DictConfig,
-                 log_interval_s: float) -> None:
+    def __init__(
+        self, env: DistEnv, pad_id: int, batch_prompts: int, async_cfg: DictConfig, log_interval_s: float
+    ) -> None:
         self.env, self.pad_id, self.batch_prompts = env, pad_id, batch_prompts
         self.async_cfg, self.log_interval_s = async_cfg, log_interval_s
         self.is_main = env.rank == 0
         self.timed_out = False  # no group arrived for async.wait_timeout_s
-        self.ctx: Optional[zmq.Context] = None
-        self.buffer: Optional[TrajectoryBuffer] = None
-        self.plane: Optional[ControlPlane] = None
+        self.ctx: zmq.Context | None = None
+        self.buffer: TrajectoryBuffer | None = None
+        self.plane: ControlPlane | None = None
         self._tokens_mark = 0
 
     def open(self, transport_cfg: DictConfig, dynamic_sampling: bool, vocab_size: int) -> None:
@@ -53,9 +55,11 @@ class Hub:
         secret = transport_cfg.secret.encode() if transport_cfg.secret else None
         self.ctx = zmq.Context()
         socks = {}
-        for name, kind, max_bytes, hwm in (("trajectories", zmq.PULL, TRAJECTORY_MAX_BYTES, 1000),
-                                           ("weights", zmq.PUB, CONTROL_MAX_BYTES, 4),
-                                           ("control", zmq.ROUTER, CONTROL_MAX_BYTES, 1000)):
+        for name, kind, max_bytes, hwm in (
+            ("trajectories", zmq.PULL, TRAJECTORY_MAX_BYTES, 1000),
+            ("weights", zmq.PUB, CONTROL_MAX_BYTES, 4),
+            ("control", zmq.ROUTER, CONTROL_MAX_BYTES, 1000),
+        ):
             endpoint = transport_cfg[name]
             if endpoint == "auto":
                 endpoint = "tcp://127.0.0.1:*"
@@ -65,16 +69,23 @@ class Hub:
                 raise StartError(f"transport.{name}={transport_cfg[name]!r}: cannot bind: {first_line(exc)}") from None
             log.info("transport.%s bound at %s", name, socks[name].getsockopt(zmq.LAST_ENDPOINT).decode())
         sender_id = f"learner-{os.getpid()}"
-        receiver = transport.Receiver(socks["trajectories"], secret=secret, max_bytes=TRAJECTORY_MAX_BYTES,
-                                      kinds=("trajectory_group",))
+        receiver = transport.Receiver(
+            socks["trajectories"], secret=secret, max_bytes=TRAJECTORY_MAX_BYTES, kinds=("trajectory_group",)
+        )
         max_staleness = self.async_cfg.max_staleness
-        self.buffer = TrajectoryBuffer(receiver, batch_prompts=self.batch_prompts, max_staleness=max_staleness,
-                                       dynamic_sampling=dynamic_sampling, vocab_size=vocab_size)
+        self.buffer = TrajectoryBuffer(
+            receiver,
+            batch_prompts=self.batch_prompts,
+            max_staleness=max_staleness,
+            dynamic_sampling=dynamic_sampling,
+            vocab_size=vocab_size,
+        )
         self.plane = ControlPlane(
             transport.Sender(socks["weights"], sender_id, secret=secret),
             transport.Receiver(socks["control"], secret=secret, max_bytes=CONTROL_MAX_BYTES, kinds=("status",)),
             transport.Sender(socks["control"], sender_id, secret=secret),
-            Budget(max_staleness, self.batch_prompts, self.buffer.snapshot))
+            Budget(max_staleness, self.batch_prompts, self.buffer.snapshot),
+        )
 
     def restore(self, buffer_state: dict, reports: dict) -> None:
         """Rank 0, on resume: the buffer's counters and the servers' last reports as the checkpoint holds them."""
@@ -87,7 +98,7 @@ class Hub:
         """Rank 0's side of the run's books (qurl.books): buffer and wire counters, the servers' last reports."""
         return {"buffer": self.buffer.counters(), "reports": dict(self.plane.reports)}
 
-    def next_batch(self, version: int, stop_requested: Callable[[], bool]) -> tuple[Optional[Batch], dict]:
+    def next_batch(self, version: int, stop_requested: Callable[[], bool]) -> tuple[Batch | None, dict]:
         """Collective: the next batch on every rank, or None when a stop was asked for on any rank."""
         waited_from = last_line = time.monotonic()
         timeout = self.async_cfg.wait_timeout_s
@@ -108,18 +119,31 @@ class Hub:
                 elif time.monotonic() - last_line >= self.log_interval_s:
                     last_line = time.monotonic()
                     dropped = self.buffer.dropped
-                    log.info("waiting for trajectories (%.0f s): have %d/%d groups, received %d, dropped %d stale, "
-                             "%d filtered, %d invalid; servers: %s", last_line - waited_from, len(self.buffer.groups),
-                             self.batch_prompts, self.buffer.received, dropped["stale"], dropped["filter"],
-                             dropped["invalid"], self.plane.status_line())
+                    log.info(
+                        "waiting for trajectories (%.0f s): have %d/%d groups, received %d, dropped %d stale, "
+                        "%d filtered, %d invalid; servers: %s",
+                        last_line - waited_from,
+                        len(self.buffer.groups),
+                        self.batch_prompts,
+                        self.buffer.received,
+                        dropped["stale"],
+                        dropped["filter"],
+                        dropped["invalid"],
+                        self.plane.status_line(),
+                    )
             dist.broadcast(header, src=0)
             if header[0].item() == WAIT:
                 continue
             n, length = int(header[1]), int(header[2])
             if not self.is_main:
-                batch = Batch(torch.empty(n, length, dtype=torch.int64), torch.empty(n, dtype=torch.int64),
-                              torch.empty(n, dtype=torch.int64), torch.empty(n, length, dtype=torch.float32),
-                              torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int64))
+                batch = Batch(
+                    torch.empty(n, length, dtype=torch.int64),
+                    torch.empty(n, dtype=torch.int64),
+                    torch.empty(n, dtype=torch.int64),
+                    torch.empty(n, length, dtype=torch.float32),
+                    torch.empty(n, dtype=torch.float32),
+                    torch.empty(n, dtype=torch.int64),
+                )
             for t in (batch.input_ids, batch.prompt_len, batch.total_len, batch.behav_logp, batch.rewards, batch.group):
                 dist.broadcast(t, src=0)
             info = self.batch_info(groups, version, time.monotonic() - waited_from) if self.is_main else {}
@@ -132,16 +156,23 @@ class Hub:
         lengths = torch.tensor([len(s.token_ids) for g in groups for s in g.samples], dtype=torch.float64)
         statuses = Counter(str(s.reward_details.get("status", "ok")) for g in groups for s in g.samples)
         with_signal = sum(len({s.reward for s in g.samples}) > 1 for g in groups)  # all-equal groups: advantage 0
-        info = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std(unbiased=False).item(),
-                "reward/groups_with_signal": with_signal,
-                "staleness/mean": stale.mean().item(), "staleness/max": stale.max().item(),
-                "rollout/response_len_mean": lengths.mean().item(), "time/wait_s": waited_s,
-                "buffer/size": len(self.buffer.groups), "buffer/received": self.buffer.received,
-                "buffer/dropped_stale": self.buffer.dropped["stale"],
-                "buffer/dropped_filter": self.buffer.dropped["filter"],
-                "buffer/dropped_invalid": self.buffer.dropped["invalid"],
-                "buffer/bad_messages": sum(self.buffer.receiver.rejected.values()),
-                "sync/repushes": self.plane.repushes, **self.plane.budget.take_window(version)}
+        info = {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std(unbiased=False).item(),
+            "reward/groups_with_signal": with_signal,
+            "staleness/mean": stale.mean().item(),
+            "staleness/max": stale.max().item(),
+            "rollout/response_len_mean": lengths.mean().item(),
+            "time/wait_s": waited_s,
+            "buffer/size": len(self.buffer.groups),
+            "buffer/received": self.buffer.received,
+            "buffer/dropped_stale": self.buffer.dropped["stale"],
+            "buffer/dropped_filter": self.buffer.dropped["filter"],
+            "buffer/dropped_invalid": self.buffer.dropped["invalid"],
+            "buffer/bad_messages": sum(self.buffer.receiver.rejected.values()),
+            "sync/repushes": self.plane.repushes,
+            **self.plane.budget.take_window(version),
+        }
         info.update({f"reward/status_{k}": v for k, v in statuses.items()})
         server_totals: Counter = Counter()
         for server in list(self.plane.servers.values()):

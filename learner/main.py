@@ -1,4 +1,5 @@
 """qurl-learner: one process, N local ranks spawned here (cluster.learner_ranks), or the ranks torchrun starts."""
+
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,6 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
-from typing import Optional
 
 from omegaconf import DictConfig
 
@@ -33,16 +33,20 @@ def _init_file() -> str:
     return path
 
 
-def _check(cfg: DictConfig) -> Optional[str]:
+def _check(cfg: DictConfig) -> str | None:
     """Config combinations only the learner knows to be wrong, as one line."""
     gpus = list(cfg.cluster.learner_gpus)
     if gpus and not _under_launcher() and len(gpus) != cfg.cluster.learner_ranks:
-        return (f"cluster.learner_gpus lists {len(gpus)} GPUs for cluster.learner_ranks={cfg.cluster.learner_ranks}; "
-                "give one GPU per rank")
+        return (
+            f"cluster.learner_gpus lists {len(gpus)} GPUs for cluster.learner_ranks={cfg.cluster.learner_ranks}; "
+            "give one GPU per rank"
+        )
     overlong = cfg.algo.overlong
     if overlong.enable and not 0 < overlong.buffer <= cfg.rollout.sampling.max_new_tokens:
-        return (f"algo.overlong.buffer={overlong.buffer} must be in (0, rollout.sampling.max_new_tokens="
-                f"{cfg.rollout.sampling.max_new_tokens}] when algo.overlong.enable=true")
+        return (
+            f"algo.overlong.buffer={overlong.buffer} must be in (0, rollout.sampling.max_new_tokens="
+            f"{cfg.rollout.sampling.max_new_tokens}] when algo.overlong.enable=true"
+        )
     return None
 
 
@@ -81,8 +85,13 @@ def _run_rank(cfg: DictConfig) -> int:
     else:
         device, backend = torch.device("cpu"), "gloo"
     # ranks started here meet through a file (no port to race for); torchrun's ranks through its env://
-    dist.init_process_group(backend, init_method=os.environ.get(INIT_ENV, "env://"), rank=rank, world_size=world,
-                            timeout=timedelta(minutes=60))
+    dist.init_process_group(
+        backend,
+        init_method=os.environ.get(INIT_ENV, "env://"),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=60),
+    )
     learner = None
     try:
         learner = Learner(cfg, DistEnv(rank, world, local_rank, device))
@@ -108,10 +117,15 @@ def _spawn(cfg: DictConfig, argv: list[str]) -> int:
     if not cfg.cluster.learner_gpus and "OMP_NUM_THREADS" not in os.environ:
         base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
     # own session: a terminal's Ctrl-C reaches the ranks once, through forward(), not twice
-    procs = [subprocess.Popen([sys.executable, "-m", "learner.main", *argv],
-                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                              preexec_fn=die_with_parent, start_new_session=True)
-             for r in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "learner.main", *argv],
+            env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+            preexec_fn=die_with_parent,
+            start_new_session=True,
+        )
+        for r in range(n)
+    ]
 
     def forward(signum: int, _frame: object) -> None:
         for p in procs:
@@ -138,7 +152,7 @@ def _spawn(cfg: DictConfig, argv: list[str]) -> int:
             os.remove(store)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of the qurl-learner console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = parse(PROG, argv)

@@ -1,7 +1,6 @@
 """The learner's policy: a Hugging Face causal LM in fp32, invariant-scaled once, sharded with FSDP2."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
@@ -12,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from qurl.quant.invariant_scaling import apply_invariant_scaling
 
 
-def invariant_scaling(cfg: DictConfig) -> Optional[tuple[float, tuple[str, ...]]]:
+def invariant_scaling(cfg: DictConfig) -> tuple[float, tuple[str, ...]] | None:
     """(s, targets) when the rollout is quantized and s != 1, else None (scaling only helps the grid)."""
     s = float(cfg.quant.invariant_scaling.s)
     if cfg.rollout.quant == "none" or s == 1.0:
@@ -37,7 +36,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def shard(model: nn.Module, bf16: bool) -> nn.Module:
     """FSDP2: one unit per decoder layer, the root holding embeddings, final norm and lm_head."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -74,4 +75,4 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, start: int, temper
     if temperature > 0:
         logits = logits / temperature
     targets = input_ids[:, start:].unsqueeze(-1)
-    return (logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1))
+    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)

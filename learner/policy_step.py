@@ -5,13 +5,13 @@ the optimizer and the reduction of the loss metrics over ranks. Every rank runs 
 a mini-batch is normalised by the global token (or sequence) count, so one rank and N ranks take the same step.
 It needs a process group and nothing else: no sockets, no run folder.
 """
+
 from __future__ import annotations
 
 import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,15 @@ from qurl.algorithms import LossSpec, group_advantages, kl_penalty, overlong_pen
 log = logging.getLogger("learner")
 
 MICRO_BATCH_TOKENS = 16384  # padded tokens per forward; bounds activation memory, never changes the result
-LOSS_METRICS = ("actor/clipfrac", "tis/truncated_frac", "acr/widened_frac", "acr/upper_max", "mismatch/kl_k1",
-                "mismatch/kl_k3", "mismatch/rho_max")
+LOSS_METRICS = (
+    "actor/clipfrac",
+    "tis/truncated_frac",
+    "acr/widened_frac",
+    "acr/upper_max",
+    "mismatch/kl_k1",
+    "mismatch/kl_k3",
+    "mismatch/rho_max",
+)
 
 
 @dataclass
@@ -71,17 +78,31 @@ def pad_token_id(config) -> int:
 class PolicyStep:
     """Trains `model` (FSDP2-sharded) on one batch per call; `reference` (frozen) only when algo.kl_coef > 0."""
 
-    def __init__(self, model: nn.Module, reference: Optional[nn.Module], train: DictConfig, algo: DictConfig,
-                 sampling: DictConfig, env: DistEnv) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        reference: nn.Module | None,
+        train: DictConfig,
+        algo: DictConfig,
+        sampling: DictConfig,
+        env: DistEnv,
+    ) -> None:
         self.model, self.reference, self.train_cfg, self.algo, self.env = model, reference, train, algo, env
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
-        self.loss_spec = LossSpec(mode=algo.loss, eps_low=algo.eps_low, eps_high=algo.eps_high, tis_cap=algo.tis_cap,
-                                  agg=algo.loss_agg, dual_clip=algo.dual_clip)
+        self.loss_spec = LossSpec(
+            mode=algo.loss,
+            eps_low=algo.eps_low,
+            eps_high=algo.eps_high,
+            tis_cap=algo.tis_cap,
+            agg=algo.loss_agg,
+            dual_clip=algo.dual_clip,
+        )
         self.temperature = float(sampling.temperature)  # 0 (greedy) means unscaled logits
         self.max_new_tokens = sampling.max_new_tokens
         self.pad_id = pad_token_id(model.config)
         self.dropout_free = not getattr(model.config, "attention_dropout", 0.0) and all(
-            m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+            m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout)
+        )
 
     def lr(self, step: int) -> float:
         """Linear warmup over train.warmup_steps learner steps, then constant or cosine to 0 at train.steps."""
@@ -103,10 +124,16 @@ class PolicyStep:
         reuse_prox = len(plan) == 1 and self.dropout_free
         self.model.eval()
         with torch.no_grad():
-            prox = None if reuse_prox else [[token_logprobs(self.model, m.input_ids, m.start, temp) for m in mini]
-                                            for mini in plan]
-            ref = ([[token_logprobs(self.reference, m.input_ids, m.start, temp) for m in mini] for mini in plan]
-                   if self.reference is not None else None)
+            prox = (
+                None
+                if reuse_prox
+                else [[token_logprobs(self.model, m.input_ids, m.start, temp) for m in mini] for mini in plan]
+            )
+            ref = (
+                [[token_logprobs(self.reference, m.input_ids, m.start, temp) for m in mini] for mini in plan]
+                if self.reference is not None
+                else None
+            )
         self.model.train()
         lr = self.lr(step)
         for group in self.optimizer.param_groups:
@@ -121,12 +148,21 @@ class PolicyStep:
             finite, pg_sum, kl_sum = True, 0.0, 0.0
             for j, m in enumerate(mini):
                 logp = token_logprobs(self.model, m.input_ids, m.start, temp)
-                loss, lm = policy_loss(logp, logp.detach() if reuse_prox else prox[i][j], m.behav_logp, m.advantages,
-                                       m.mask, self.loss_spec)
+                loss, lm = policy_loss(
+                    logp,
+                    logp.detach() if reuse_prox else prox[i][j],
+                    m.behav_logp,
+                    m.advantages,
+                    m.mask,
+                    self.loss_spec,
+                )
                 local = m.tokens if token_mean else int(m.mask.any(-1).sum())
                 pg = loss * (local / (tokens if token_mean else seqs))
-                kl = ((kl_penalty(logp, ref[i][j], algo.kl_kind) * m.mask).sum() / tokens if ref is not None
-                      else torch.zeros((), device=logp.device))
+                kl = (
+                    (kl_penalty(logp, ref[i][j], algo.kl_kind) * m.mask).sum() / tokens
+                    if ref is not None
+                    else torch.zeros((), device=logp.device)
+                )
                 total = pg + algo.kl_coef * kl
                 check = torch.tensor([pg.item(), kl.item()], dtype=torch.float64)
                 dist.all_reduce(check)
@@ -155,8 +191,15 @@ class PolicyStep:
                 losses.append(float("nan"))
                 log.warning("step %d: non-finite loss or grad norm in mini-batch %d; update skipped", step + 1, i)
         metrics.update(_reduce_loss_metrics(sums, maxes, float(totals[:, 0].sum())))
-        metrics.update({"loss/policy": _mean(losses), "actor/grad_norm": _mean(norms), "lr": lr,
-                        "train/updates": applied, "actor/tokens": float(totals[:, 0].sum())})
+        metrics.update(
+            {
+                "loss/policy": _mean(losses),
+                "actor/grad_norm": _mean(norms),
+                "lr": lr,
+                "train/updates": applied,
+                "actor/tokens": float(totals[:, 0].sum()),
+            }
+        )
         if ref is not None:
             metrics["loss/kl"] = _mean(kls)
         return StepResult(applied > 0, len(plan) - applied, metrics)
@@ -166,8 +209,9 @@ class PolicyStep:
         rewards, info = batch.rewards.clone(), {}
         overlong = self.algo.overlong
         if overlong.enable:
-            penalty = overlong_penalty(batch.total_len - batch.prompt_len, self.max_new_tokens,
-                                       overlong.buffer, overlong.factor)
+            penalty = overlong_penalty(
+                batch.total_len - batch.prompt_len, self.max_new_tokens, overlong.buffer, overlong.factor
+            )
             rewards += penalty
             info["reward/overlong_penalty_mean"] = penalty.mean().item()
         return group_advantages(rewards, batch.group, estimator=self.algo.advantage), info
@@ -177,32 +221,46 @@ class PolicyStep:
         global [tokens, sequences] of each mini-batch. Every rank gets the same number of micro-batches."""
         world, rank = self.env.world, self.env.rank
         chunks = torch.tensor_split(torch.arange(batch.num_groups), self.train_cfg.mini_batches)
-        rows_per_mini = [torch.nonzero(torch.isin(batch.group, torch.tensor_split(c, world)[rank])).flatten()
-                         for c in chunks]
+        rows_per_mini = [
+            torch.nonzero(torch.isin(batch.group, torch.tensor_split(c, world)[rank])).flatten() for c in chunks
+        ]
         plan = [_micro_rows(rows, batch) for rows in rows_per_mini]
         counts = torch.tensor([len(p) for p in plan])
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         response_len = batch.total_len - batch.prompt_len
-        totals = torch.tensor([[float(response_len[r].sum()), float(len(r))] for r in rows_per_mini],
-                              dtype=torch.float64)
+        totals = torch.tensor(
+            [[float(response_len[r].sum()), float(len(r))] for r in rows_per_mini], dtype=torch.float64
+        )
         dist.all_reduce(totals)
-        micro = [[self._micro(batch, advantages, rows) for rows in p]
-                 + [self._micro(batch, advantages, None)] * (int(c) - len(p)) for p, c in zip(plan, counts)]
+        micro = [
+            [self._micro(batch, advantages, rows) for rows in p]
+            + [self._micro(batch, advantages, None)] * (int(c) - len(p))
+            for p, c in zip(plan, counts)
+        ]
         return micro, totals
 
-    def _micro(self, batch: Batch, advantages: torch.Tensor, rows: Optional[torch.Tensor]) -> MicroBatch:
+    def _micro(self, batch: Batch, advantages: torch.Tensor, rows: torch.Tensor | None) -> MicroBatch:
         """Device tensors of `rows`; None gives one padding row with no response tokens (keeps FSDP's collectives
         in step)."""
         dev = self.env.device
         if rows is None:
-            return MicroBatch(torch.full((1, 2), self.pad_id, device=dev), 1,
-                              torch.zeros(1, 1, dtype=torch.bool, device=dev),
-                              torch.zeros(1, 1, device=dev), torch.zeros(1, device=dev))
+            return MicroBatch(
+                torch.full((1, 2), self.pad_id, device=dev),
+                1,
+                torch.zeros(1, 1, dtype=torch.bool, device=dev),
+                torch.zeros(1, 1, device=dev),
+                torch.zeros(1, device=dev),
+            )
         end, start = int(batch.total_len[rows].max()), int(batch.prompt_len[rows].min())
         pos = torch.arange(start, end)
         mask = (pos >= batch.prompt_len[rows, None]) & (pos < batch.total_len[rows, None])
-        return MicroBatch(batch.input_ids[rows, :end].to(dev), start, mask.to(dev),
-                          batch.behav_logp[rows, start:end].to(dev), advantages[rows].to(dev))
+        return MicroBatch(
+            batch.input_ids[rows, :end].to(dev),
+            start,
+            mask.to(dev),
+            batch.behav_logp[rows, start:end].to(dev),
+            advantages[rows].to(dev),
+        )
 
 
 def _micro_rows(rows: torch.Tensor, batch: Batch) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
 """The publisher (design.md §3, step 4): what the rollout engine loads, quantized on rank 0, pushed over the
 transport `sync.transport` names (learner/push_transport.py), with the push's `sync/*` metrics."""
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,9 @@ from qurl.quant import quantize_state_dict
 class Publisher:
     """Rank 0: turns the gathered full weights into the engine's tensors and pushes them as one version."""
 
-    def __init__(self, sender: WeightSender, pusher, scheme: str, weight_bits: int, engine_dtype: torch.dtype,
-                 tied: bool) -> None:
+    def __init__(
+        self, sender: WeightSender, pusher, scheme: str, weight_bits: int, engine_dtype: torch.dtype, tied: bool
+    ) -> None:
         self.sender, self.pusher, self.scheme = sender, pusher, scheme
         self.weight_bits, self.engine_dtype, self.tied = weight_bits, engine_dtype, tied
 
@@ -37,8 +39,18 @@ class Publisher:
             return {}
         stats = self.pusher.publish(version, tensors)
         if stats is None:  # cuda-ipc: a server still reads the buffers this push would overwrite; the next one tries
-            return {"sync/seconds": time.perf_counter() - started, "sync/bytes": 0, "sync/changed_frac": 0.0,
-                    "sync/full_bytes": 0, "sync/delta": 0, "sync/skipped": 1}
-        return {"sync/seconds": time.perf_counter() - started, "sync/bytes": stats.bytes,
-                "sync/changed_frac": stats.changed_frac, "sync/full_bytes": stats.full_bytes,
-                "sync/delta": int(stats.mode == "delta")}
+            return {
+                "sync/seconds": time.perf_counter() - started,
+                "sync/bytes": 0,
+                "sync/changed_frac": 0.0,
+                "sync/full_bytes": 0,
+                "sync/delta": 0,
+                "sync/skipped": 1,
+            }
+        return {
+            "sync/seconds": time.perf_counter() - started,
+            "sync/bytes": stats.bytes,
+            "sync/changed_frac": stats.changed_frac,
+            "sync/full_bytes": stats.full_bytes,
+            "sync/delta": int(stats.mode == "delta"),
+        }

@@ -8,10 +8,10 @@ holds applied, else that push is skipped. nccl (SGLang replicas on other GPUs): 
 ranks join one process group at start; a push sends a WeightRef with the bucket metadata, then broadcasts each
 bucket flattened.
 """
+
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 
@@ -46,8 +46,15 @@ class IpcPush:
     N+1, the next push tries again).
     """
 
-    def __init__(self, sender: WeightSender, scheme: str, device: torch.device, ranks: int,
-                 bucket_bytes: int = payload.UPDATE_BUCKET_BYTES, ack_timeout_s: float = IPC_ACK_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        sender: WeightSender,
+        scheme: str,
+        device: torch.device,
+        ranks: int,
+        bucket_bytes: int = payload.UPDATE_BUCKET_BYTES,
+        ack_timeout_s: float = IPC_ACK_TIMEOUT_S,
+    ) -> None:
         self.sender, self.scheme, self.device, self.ranks = sender, scheme, device, ranks
         self.bucket_bytes, self.ack_timeout_s = bucket_bytes, ack_timeout_s
         self.metas: list | None = None
@@ -61,19 +68,33 @@ class IpcPush:
         metas = [payload.bucket_meta(b) for b in buckets]
         if self.metas is None:
             self.metas = metas
-            self.sets = [[torch.empty(sum(t.numel() * t.element_size() for _, t in b), dtype=torch.uint8,
-                                      device=self.device) for b in buckets] for _ in range(2)]
+            self.sets = [
+                [
+                    torch.empty(sum(t.numel() * t.element_size() for _, t in b), dtype=torch.uint8, device=self.device)
+                    for b in buckets
+                ]
+                for _ in range(2)
+            ]
         elif metas != self.metas:
             raise ValueError("sync.transport=cuda-ipc: a push changed the tensors' names, dtypes or shapes")
-        target = 0 if self.versions[0] is None or (self.versions[1] is not None
-                                                   and self.versions[0] < self.versions[1]) else 1
+        target = (
+            0
+            if self.versions[0] is None or (self.versions[1] is not None and self.versions[0] < self.versions[1])
+            else 1
+        )
         held = self.versions[target]
         if held is not None:
             behind = self.sender.plane.wait_applied(held, self.ack_timeout_s)
             if behind:
                 self.skipped += 1
-                log.warning("cuda-ipc push %d skipped: %s did not report version %d applied within %.0f s and may "
-                            "still read its buffers", version, ", ".join(behind), held, self.ack_timeout_s)
+                log.warning(
+                    "cuda-ipc push %d skipped: %s did not report version %d applied within %.0f s and may "
+                    "still read its buffers",
+                    version,
+                    ", ".join(behind),
+                    held,
+                    self.ack_timeout_s,
+                )
                 return None
         buffers = self.sets[target]
         for flat, bucket in zip(buffers, buckets):
@@ -81,8 +102,9 @@ class IpcPush:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the bytes are in place before any server can read them
         self.versions[target] = version
-        payloads = [payload.serialize_named(payload.views(flat, meta), self.ranks)
-                    for flat, meta in zip(buffers, metas)]
+        payloads = [
+            payload.serialize_named(payload.views(flat, meta), self.ranks) for flat, meta in zip(buffers, metas)
+        ]
         ref = WeightRef(version=version, scheme=self.scheme, transport="cuda-ipc", buckets=metas, payloads=payloads)
         return self.sender.announce(version, ref, tensors, repush=True)
 
@@ -90,8 +112,16 @@ class IpcPush:
 class NcclPush:
     """One broadcast per bucket from rank 0 to every replica: the servers call SGLangEngine.receive_broadcast."""
 
-    def __init__(self, sender: WeightSender, scheme: str, device: torch.device, endpoint: str, replicas: int,
-                 tp_size: int, bucket_bytes: int = payload.UPDATE_BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        sender: WeightSender,
+        scheme: str,
+        device: torch.device,
+        endpoint: str,
+        replicas: int,
+        tp_size: int,
+        bucket_bytes: int = payload.UPDATE_BUCKET_BYTES,
+    ) -> None:
         self.sender, self.scheme, self.device, self.bucket_bytes = sender, scheme, device, bucket_bytes
         self.address = payload.group_address(endpoint)
         self.world, _ = payload.update_group_layout(replicas, tp_size)
@@ -100,16 +130,18 @@ class NcclPush:
     def open(self) -> None:
         """Join the update group as rank 0; returns once every replica's TP ranks have joined too."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        log.info("waiting for %d rollout ranks to join the %s weight group at %s:%d", self.world - 1, backend,
-                 *self.address)
+        log.info(
+            "waiting for %d rollout ranks to join the %s weight group at %s:%d", self.world - 1, backend, *self.address
+        )
         self.group = payload.open_update_group(*self.address, self.world, payload.GROUP_NAME, backend)
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> PushStats:
         if self.group is None:
             raise RuntimeError("NcclPush.open() must run before the first push")
         buckets = payload.buckets(payload.named_tensors(tensors, self.scheme), self.bucket_bytes)
-        ref = WeightRef(version=version, scheme=self.scheme, transport="nccl",
-                        buckets=[payload.bucket_meta(b) for b in buckets])
+        ref = WeightRef(
+            version=version, scheme=self.scheme, transport="nccl", buckets=[payload.bucket_meta(b) for b in buckets]
+        )
         stats = self.sender.announce(version, ref, tensors, repush=False)
         started = time.perf_counter()
         payload.broadcast_buckets(buckets, self.group, self.device)

@@ -10,6 +10,7 @@ top to bottom; each stage is a component that owns it:
 
 Every rank runs the same sequence of collectives; rank 0 alone owns the sockets and the metrics files.
 """
+
 from __future__ import annotations
 
 import logging
@@ -95,8 +96,9 @@ class Learner:
         """Rank 0: claim the run folder, bind the sockets, build the push transport (nccl: wait for the replicas)."""
         cfg = self.cfg
         if not cfg.run.resume and run_folder.holds_run(self.run_dir):
-            raise StartError(f"{self.run_dir} already holds a run; pass run.resume=true to continue it, "
-                             "or choose another run.dir")
+            raise StartError(
+                f"{self.run_dir} already holds a run; pass run.resume=true to continue it, or choose another run.dir"
+            )
         self.hub.open(cfg.transport, cfg.algo.dynamic_sampling, int(model.config.vocab_size))
         sender = WeightSender(self.hub.plane, self.scheme, full_every=cfg.sync.full_every)
         try:  # nccl: blocks until every rollout replica has joined the weight-update group
@@ -133,9 +135,13 @@ class Learner:
             self._checkpoint()
         if self.hub.timed_out:
             if self.is_main:
-                log.error("no trajectory group arrived for %.0f s (async.wait_timeout_s); servers: %s; stopping at "
-                          "step %d (checkpointed), resume with run.resume=true", self.cfg.async_.wait_timeout_s,
-                          self.hub.plane.status_line(), self.state.step)
+                log.error(
+                    "no trajectory group arrived for %.0f s (async.wait_timeout_s); servers: %s; stopping at "
+                    "step %d (checkpointed), resume with run.resume=true",
+                    self.cfg.async_.wait_timeout_s,
+                    self.hub.plane.status_line(),
+                    self.state.step,
+                )
             return 1
         if self.is_main and self.evaluation.evaluator is not None and self.state.step >= self.cfg.train.steps:
             self.evaluation.wait_for_quant(self.state.version, self.state.step, self.metrics)
@@ -163,10 +169,14 @@ class Learner:
                 log.info("resumed from %s: step %d, version %d", path, self.state.step, self.state.version)
         if self.is_main:
             # a fresh start drops every old row (-1): only a start that failed before its first step leaves any
-            self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.log.tensorboard,
-                                         wandb_project=cfg.log.wandb_project, run_name=cfg.run.name,
-                                         config=OmegaConf.to_container(cfg, resolve=True),
-                                         resume_step=self.state.step if cfg.run.resume else -1)
+            self.metrics = MetricsLogger(
+                self.run_dir,
+                tensorboard=cfg.log.tensorboard,
+                wandb_project=cfg.log.wandb_project,
+                run_name=cfg.run.name,
+                config=OmegaConf.to_container(cfg, resolve=True),
+                resume_step=self.state.step if cfg.run.resume else -1,
+            )
             self.hub.plane.version = self.state.version
             self.hub.plane.start()
         self._publish(publish=self.state.version > 0)
@@ -194,15 +204,28 @@ class Learner:
         """One metrics.jsonl row and one log line for the step just taken; returns the new rate mark."""
         now = time.monotonic()
         metrics.update(self.hub.rollout_rates(now - last_mark))
-        metrics.update({"version": self.state.version, "time/step_s": now - started,
-                        "train/skipped_steps": self.state.skipped_updates, **self._memory()})
+        metrics.update(
+            {
+                "version": self.state.version,
+                "time/step_s": now - started,
+                "train/skipped_steps": self.state.skipped_updates,
+                **self._memory(),
+            }
+        )
         self.metrics.log(self.state.step, metrics)
         self._check_drift(metrics["mismatch/kl_k3"])
         self.evaluation.log_quant(self.state.step, self.metrics)
-        log.info("step %d version %d reward %.3f loss %.4g grad_norm %.3g kl_k3 %.2e step %.2fs sync %.2fs",
-                 self.state.step, self.state.version, metrics["reward/mean"], metrics["loss/policy"],
-                 metrics["actor/grad_norm"], metrics["mismatch/kl_k3"], metrics["time/step_s"],
-                 metrics["sync/seconds"])
+        log.info(
+            "step %d version %d reward %.3f loss %.4g grad_norm %.3g kl_k3 %.2e step %.2fs sync %.2fs",
+            self.state.step,
+            self.state.version,
+            metrics["reward/mean"],
+            metrics["loss/policy"],
+            metrics["actor/grad_norm"],
+            metrics["mismatch/kl_k3"],
+            metrics["time/step_s"],
+            metrics["sync/seconds"],
+        )
         return now
 
     def _check_drift(self, kl_k3: float) -> None:
@@ -212,9 +235,13 @@ class Learner:
         self.drift_checked = True
         threshold = self.cfg.algo.drift_kl_threshold
         if kl_k3 > threshold:
-            log.warning("DRIFT: first batch mismatch/kl_k3 %.3g > algo.drift_kl_threshold %.3g: the rollout server's "
-                        "policy is not the learner's; check that both load the same model.path and tokenizer and that "
-                        "weight pushes are applied", kl_k3, threshold)
+            log.warning(
+                "DRIFT: first batch mismatch/kl_k3 %.3g > algo.drift_kl_threshold %.3g: the rollout server's "
+                "policy is not the learner's; check that both load the same model.path and tokenizer and that "
+                "weight pushes are applied",
+                kl_k3,
+                threshold,
+            )
 
     def _memory(self) -> dict:
         """Rank 0's peak host memory (and accelerator memory on GPU)."""

@@ -2,6 +2,7 @@
 deltas of the previous version between (qurl/delta.py), or a WeightRef whose bytes travel by CUDA IPC or NCCL;
 and the push's statistics (bytes, share of codes changed). The control plane sends it and keeps it for laggards.
 """
+
 from __future__ import annotations
 
 import time
@@ -55,11 +56,19 @@ class WeightSender:
         """
         started = time.perf_counter()
         check = delta.checksum(tensors)
-        full = WeightPush(version=version, scheme=self.scheme, checksum=check,
-                          tensors={name: from_torch(t) for name, t in tensors.items()})
+        full = WeightPush(
+            version=version,
+            scheme=self.scheme,
+            checksum=check,
+            tensors={name: from_torch(t) for name, t in tensors.items()},
+        )
         push = full
-        if (self._sent and version == self.plane.version + 1 and version % self.full_every
-                and delta.checked_names(tensors)):
+        if (
+            self._sent
+            and version == self.plane.version + 1
+            and version % self.full_every
+            and delta.checked_names(tensors)
+        ):
             whole, deltas = delta.diff(self._sent, tensors)
             push = delta.delta_push(version, self.scheme, whole, deltas, check)
         codes = _codes(tensors)

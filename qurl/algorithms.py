@@ -115,8 +115,9 @@ class LossSpec:
             raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
 
 
-def _check_shapes(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.Tensor,
-                  mask: torch.Tensor) -> None:
+def _check_shapes(
+    logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> None:
     """The tensors of one call line up (a mismatch would broadcast silently into a wrong loss)."""
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
@@ -137,8 +138,14 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate that corrects for a quantized, stale sampler; returns (loss, metrics)."""
     _check_shapes(logp, logp_prox, logp_behav, advantages, mask)
-    mode, eps_low, eps_high, tis_cap, agg, dual_clip = (spec.mode, spec.eps_low, spec.eps_high, spec.tis_cap,
-                                                        spec.agg, spec.dual_clip)
+    mode, eps_low, eps_high, tis_cap, agg, dual_clip = (
+        spec.mode,
+        spec.eps_low,
+        spec.eps_high,
+        spec.tis_cap,
+        spec.agg,
+        spec.dual_clip,
+    )
     m = mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     # fp32 throughout; masked positions may hold padding garbage (NaN, inf): zero it before any arithmetic

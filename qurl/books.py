@@ -1,4 +1,4 @@
-"""The run's books (docs/RELIABILITY.md §1): every trajectory group counted at each stage, and a check that they balance.
+"""The run's books (docs/RELIABILITY.md §1): every trajectory group counted at each stage, and a check they balance.
 
 Evidence, from three independent sources:
 - each rollout server's own counters, reported in every heartbeat and its bye and written to
@@ -17,6 +17,7 @@ balance; the identity checked is
                 + dropped_at_restart + bad_groups + unsent_at_exit + lost_in_transit
                 + lost_at_learner_restart + undelivered_at_end
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,19 @@ from typing import Any
 LEDGER = "ledger.json"  # in the run folder, written by the learner at each checkpoint and at the end
 EXIT_REPORTS = os.path.join("logs", "books")  # in the run folder, one file per cleanly exited server
 REPORT_KEYS = ("generated", "sent", "bad_groups", "unsent")
-CATEGORIES = ("used", "dropped_stale", "dropped_filter", "rejected", "buffered_at_end", "dropped_at_restart",
-              "bad_groups", "unsent_at_exit", "lost_in_transit", "lost_at_learner_restart", "undelivered_at_end")
+CATEGORIES = (
+    "used",
+    "dropped_stale",
+    "dropped_filter",
+    "rejected",
+    "buffered_at_end",
+    "dropped_at_restart",
+    "bad_groups",
+    "unsent_at_exit",
+    "lost_in_transit",
+    "lost_at_learner_restart",
+    "undelivered_at_end",
+)
 
 
 def report(counters: dict, *, final: bool, life: int = 0) -> dict:
@@ -51,7 +63,7 @@ def read_exit_reports(folder: str) -> dict[str, dict]:
         for name in sorted(os.listdir(folder)):
             if name.endswith(".json") and not name.startswith("."):
                 with open(os.path.join(folder, name)) as f:
-                    out[name[:-len(".json")]] = json.load(f)
+                    out[name[: -len(".json")]] = json.load(f)
     return out
 
 
@@ -78,9 +90,14 @@ def close(ledger: dict, exits: dict[str, dict], learner_ended_cleanly: bool) -> 
     buf = ledger.get("buffer", {})
     dropped = buf.get("dropped", {})
     cats = dict.fromkeys(CATEGORIES, 0)
-    cats.update(used=buf.get("used", 0), dropped_stale=dropped.get("stale", 0), dropped_filter=dropped.get("filter", 0),
-                rejected=dropped.get("invalid", 0), buffered_at_end=buf.get("buffered", 0),
-                dropped_at_restart=dropped.get("restart", 0))
+    cats.update(
+        used=buf.get("used", 0),
+        dropped_stale=dropped.get("stale", 0),
+        dropped_filter=dropped.get("filter", 0),
+        rejected=dropped.get("invalid", 0),
+        buffered_at_end=buf.get("buffered", 0),
+        dropped_at_restart=dropped.get("restart", 0),
+    )
     life = buf.get("life", 1)
     restarted = life > 1 or not learner_ended_cleanly
     problems: list[str] = []
@@ -114,17 +131,29 @@ def close(ledger: dict, exits: dict[str, dict], learner_ended_cleanly: bool) -> 
         generated += g + max(0, late - q)
         sent += s + late
         wire_received += n
-        per_server[sid] = {"generated": g + max(0, late - q), "sent": s + late, "received": n,
-                           "used": used_from.get(sid, 0)}
+        per_server[sid] = {
+            "generated": g + max(0, late - q),
+            "sent": s + late,
+            "received": n,
+            "used": used_from.get(sid, 0),
+        }
     received = buf.get("received", 0)
     if received != wire_received:
         problems.append(f"learner counted {received} groups received, its wire tally {wire_received}")
     learner_side = sum(cats[k] for k in CATEGORIES[:6])
     if received != learner_side:
-        problems.append(f"received {received} != used + dropped + rejected + buffered + dropped_at_restart "
-                        f"{learner_side}")
+        problems.append(
+            f"received {received} != used + dropped + rejected + buffered + dropped_at_restart {learner_side}"
+        )
     if generated != sum(cats.values()):
         problems.append(f"generated {generated} != the sum of the categories {sum(cats.values())}")
     problems += [f"{k} is negative ({v})" for k, v in cats.items() if v < 0]
-    return {"generated": generated, "sent": sent, "received": received, **cats, "balanced": not problems,
-            "problems": problems, "servers": per_server}
+    return {
+        "generated": generated,
+        "sent": sent,
+        "received": received,
+        **cats,
+        "balanced": not problems,
+        "problems": problems,
+        "servers": per_server,
+    }

@@ -3,6 +3,7 @@
 The learner writes and verifies manifests with these; qurl-async verifies them before a resume, so that a
 resume with no intact checkpoint is refused before anything in the run folder changes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,8 +21,7 @@ def step_dirs(root: str) -> list[tuple[int, str]]:
     """(step, path) of every step_N folder under root, newest first."""
     if not os.path.isdir(root):
         return []
-    found = [(int(m.group(1)), os.path.join(root, name))
-             for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
     return sorted(found, reverse=True)
 
 
@@ -36,8 +36,11 @@ def sha256(path: str) -> str:
 
 def describe(folder: str) -> dict[str, dict[str, Any]]:
     """{file: {size, sha256}} of every file in a folder being made into a checkpoint."""
-    return {name: {"size": os.path.getsize(p), "sha256": sha256(p)}
-            for name in sorted(os.listdir(folder)) if os.path.isfile(p := os.path.join(folder, name))}
+    return {
+        name: {"size": os.path.getsize(p), "sha256": sha256(p)}
+        for name in sorted(os.listdir(folder))
+        if os.path.isfile(p := os.path.join(folder, name))
+    }
 
 
 def problem(path: str) -> tuple[str, dict]:

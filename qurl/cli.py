@@ -1,11 +1,11 @@
 """Console entry points: parse `--config X.yaml [key=value ...]`, validate, then hand over."""
+
 from __future__ import annotations
 
 import argparse
 import ctypes
 import signal
 import sys
-from typing import Optional
 
 from omegaconf import DictConfig
 
@@ -18,7 +18,7 @@ EXIT_DIVERGED = 3  # the weights became non-finite: nothing after the last good 
 _PR_SET_PDEATHSIG = 1
 
 
-def parse(prog: str, argv: Optional[list[str]] = None) -> DictConfig:
+def parse(prog: str, argv: list[str] | None = None) -> DictConfig:
     """Load and validate the config, or exit 2 with one line naming the key."""
     parser = argparse.ArgumentParser(prog=prog, description="qurl: RL with quantized rollout")
     parser.add_argument("--config", required=True, help="YAML config file (see configs/)")

@@ -1,4 +1,5 @@
 """Structured config (design.md §7): one schema, YAML files, `key=value` overrides, strict checks."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -6,7 +7,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -66,8 +67,8 @@ class RolloutConfig:
     max_seq_len: int = 2048
     n_samples: int = 8
     tp_size: int = 1
-    mem_fraction: Optional[float] = None  # sglang: share of GPU memory for weights + KV cache; null: SGLang's default
-    server_args: Dict[str, Any] = field(default_factory=dict)  # sglang: any other ServerArgs field
+    mem_fraction: float | None = None  # sglang: share of GPU memory for weights + KV cache; null: SGLang's default
+    server_args: dict[str, Any] = field(default_factory=dict)  # sglang: any other ServerArgs field
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -84,7 +85,7 @@ class AlgoConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28
     tis_cap: float = 2.0
-    dual_clip: Optional[float] = None
+    dual_clip: float | None = None
     kl_coef: float = 0.0
     kl_kind: str = "k3"
     advantage: str = "grpo"  # grpo | drgrpo | rloo
@@ -123,7 +124,9 @@ class TrainConfig:
 @dataclass
 class AsyncConfig:
     max_staleness: int = 1
-    wait_timeout_s: float = 3600.0  # the learner stops (exit 1, after a checkpoint) when no group arrives this long; 0: wait forever
+    wait_timeout_s: float = (
+        3600.0  # the learner stops (exit 1, after a checkpoint) when no group arrives this long; 0: wait forever
+    )
 
 
 @dataclass
@@ -209,7 +212,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 # key -> (lower bound, whether the bound itself is allowed, upper bound or None)
-BOUNDS: dict[str, tuple[float, bool, Optional[float]]] = {
+BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "run.max_restarts": (0, True, None),
     "data.max_prompt_len": (1, True, None),
     "reward.timeout_s": (0, False, None),
@@ -289,7 +292,7 @@ def _omegaconf_error(exc: OmegaConfBaseException, source: str) -> ConfigError:
     return ConfigError(f"{source}: bad value for '{key}': {text}")
 
 
-def load_config(path: Optional[str] = None, overrides: list[str] = (), check_paths: bool = True) -> DictConfig:
+def load_config(path: str | None = None, overrides: list[str] = (), check_paths: bool = True) -> DictConfig:
     """Merge schema defaults, a YAML file and overrides, then validate; raise ConfigError on any problem."""
     cfg = OmegaConf.structured(Config)
     if path is not None:
@@ -345,7 +348,8 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
     if get(cfg, "rollout.n_samples") < 2:
         raise ConfigError(
             f"rollout.n_samples=1 does not work with algo.advantage={get(cfg, 'algo.advantage')} "
-            "(group-based); it must be >= 2")
+            "(group-based); it must be >= 2"
+        )
     if get(cfg, "train.mini_batches") > get(cfg, "train.batch_prompts"):
         raise ConfigError("train.mini_batches must be <= train.batch_prompts")
     targets = list(get(cfg, "quant.invariant_scaling.targets"))
@@ -354,13 +358,20 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
     bits = get(cfg, "quant.weight_bits")
     int_torch = get(cfg, "rollout.quant") == "int8" and get(cfg, "rollout.engine") == "torch"
     if bits != 8 and not (4 <= bits <= 7 and int_torch):
-        raise ConfigError(f"quant.weight_bits={bits!r} is not allowed; use 8, or 4..7 with rollout.quant=int8 and "
-                          "rollout.engine=torch (a mismatch study knob)")
-    if get(cfg, "rollout.engine") == "sglang" and get(cfg, "rollout.quant") != "none" \
-            and get(cfg, "rollout.dtype") != "bfloat16":
-        raise ConfigError(f"rollout.dtype={get(cfg, 'rollout.dtype')} with rollout.engine=sglang and rollout.quant="
-                          f"{get(cfg, 'rollout.quant')}: SGLang's quantized layers take bfloat16 only; "
-                          "set rollout.dtype=bfloat16")
+        raise ConfigError(
+            f"quant.weight_bits={bits!r} is not allowed; use 8, or 4..7 with rollout.quant=int8 and "
+            "rollout.engine=torch (a mismatch study knob)"
+        )
+    if (
+        get(cfg, "rollout.engine") == "sglang"
+        and get(cfg, "rollout.quant") != "none"
+        and get(cfg, "rollout.dtype") != "bfloat16"
+    ):
+        raise ConfigError(
+            f"rollout.dtype={get(cfg, 'rollout.dtype')} with rollout.engine=sglang and rollout.quant="
+            f"{get(cfg, 'rollout.quant')}: SGLang's quantized layers take bfloat16 only; "
+            "set rollout.dtype=bfloat16"
+        )
     name = get(cfg, "reward.name")
     if name not in ("math", "arith", "gsm8k") and not re.fullmatch(r"[\w.]+:\w+", name):
         raise ConfigError(f"reward.name={name!r} is not allowed; use math, arith, gsm8k or package.module:function")
@@ -387,7 +398,8 @@ def _validate_transport(cfg: DictConfig) -> None:
         match = _ENDPOINT.match(endpoint)
         if not match:
             raise ConfigError(
-                f"transport.{name}={endpoint!r} is not an endpoint; use auto, tcp://HOST:PORT or ipc://PATH")
+                f"transport.{name}={endpoint!r} is not an endpoint; use auto, tcp://HOST:PORT or ipc://PATH"
+            )
         host = match.group("host")
         if host and not is_loopback_host(host) and not secret:
             raise ConfigError(f"transport.{name}={endpoint!r} is not loopback; set transport.secret to bind it")
@@ -407,16 +419,22 @@ def _validate_sync(cfg: DictConfig) -> None:
     if get(cfg, "rollout.engine") != "sglang":
         raise ConfigError(f"sync.transport={kind} needs rollout.engine=sglang; the torch engine takes weights over zmq")
     if not get(cfg, "cluster.learner_gpus") or not get(cfg, "cluster.rollout_gpus"):
-        raise ConfigError(f"sync.transport={kind} needs GPUs (cluster.learner_gpus and cluster.rollout_gpus); "
-                          "on CPU use sync.transport=zmq")
+        raise ConfigError(
+            f"sync.transport={kind} needs GPUs (cluster.learner_gpus and cluster.rollout_gpus); "
+            "on CPU use sync.transport=zmq"
+        )
     if kind == "nccl" and get(cfg, "rollout.quant") == "int8":
-        raise ConfigError("sync.transport=nccl cannot refit rollout.quant=int8 (sglang 0.5.23's distributed update "
-                          "skips the INT8 loader); use sync.transport=cuda-ipc or zmq")
+        raise ConfigError(
+            "sync.transport=nccl cannot refit rollout.quant=int8 (sglang 0.5.23's distributed update "
+            "skips the INT8 loader); use sync.transport=cuda-ipc or zmq"
+        )
     if kind == "cuda-ipc":
         host = _ENDPOINT.match(get(cfg, "transport.weights")).group("host")
         if host and not is_loopback_host(host):
-            raise ConfigError(f"sync.transport=cuda-ipc hands CUDA memory handles to servers on this node; "
-                              f"transport.weights={get(cfg, 'transport.weights')!r} must be loopback or ipc://")
+            raise ConfigError(
+                f"sync.transport=cuda-ipc hands CUDA memory handles to servers on this node; "
+                f"transport.weights={get(cfg, 'transport.weights')!r} must be loopback or ipc://"
+            )
 
 
 def is_loopback_host(host: str) -> bool:

@@ -1,4 +1,4 @@
-"""Prompt datasets: JSONL or Parquet rows in DeepScaleR or verl/DAPO style, tokenized once, drawn in a resumable shuffle.
+"""Prompt datasets: JSONL or Parquet rows in DeepScaleR or verl/DAPO style, tokenized once, drawn in resumable shuffle.
 
 Row styles, detected per file from its columns:
 - DeepScaleR: ``problem`` (str) and ``answer`` (str or number); ``data_source`` optional.
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -271,8 +271,12 @@ class PromptDataset:
 
     def stats(self) -> dict[str, int]:
         """Counts for the metrics log."""
-        return {"data/prompts": len(self), "data/rows": self.rows, "data/bad_rows": self.bad_rows,
-                "data/dropped_too_long": self.dropped_too_long}
+        return {
+            "data/prompts": len(self),
+            "data/rows": self.rows,
+            "data/bad_rows": self.bad_rows,
+            "data/dropped_too_long": self.dropped_too_long,
+        }
 
     def order(self, epoch: int) -> np.ndarray:
         """Indices of the prompts in the order epoch `epoch` draws them."""
@@ -303,7 +307,9 @@ class PromptDataset:
         try:
             epoch, position, seed, size = (int(state[k]) for k in ("epoch", "position", "seed", "size"))
         except (KeyError, TypeError, ValueError):
-            raise DatasetError(f"data cursor: expected integers epoch, position, seed, size; got {dict(state)}") from None
+            raise DatasetError(
+                f"data cursor: expected integers epoch, position, seed, size; got {dict(state)}"
+            ) from None
         if (seed, size) != (self.seed, len(self)):
             raise DatasetError(
                 f"data cursor: saved for {size} prompts with seed {seed}, but this dataset has "

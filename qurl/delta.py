@@ -8,6 +8,7 @@ carries `checksum` of the resulting codes and scales, so a server proves its buf
 A delta applies only on top of exactly V-1 (the server checks its version); `apply` is all or nothing.
 How the entries are named (X@val with X@idx or X@mask), and the rule every push is checked by: qurl/delta_names.py.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -57,7 +58,9 @@ def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     return f"crc32:{crc:08x}"
 
 
-def diff(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Delta]]:
+def diff(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, Delta]]:
     """(whole, deltas) taking `old` to `new`: per checked tensor the smaller of its delta and itself, the rest whole."""
     checked = set(checked_names(new))
     whole: dict[str, torch.Tensor] = {}
@@ -96,8 +99,9 @@ def _mask(idx: torch.Tensor) -> np.ndarray:
     return np.packbits(bits, bitorder="little")
 
 
-def delta_push(version: int, scheme: str, whole: Mapping[str, torch.Tensor], deltas: Mapping[str, Delta],
-               checksum: str) -> WeightPush:
+def delta_push(
+    version: int, scheme: str, whole: Mapping[str, torch.Tensor], deltas: Mapping[str, Delta], checksum: str
+) -> WeightPush:
     """The wire form of a delta push: whole tensors under their names, deltas as X@val with X@idx or X@mask."""
     tensors = {name: from_torch(t) for name, t in whole.items()}
     for name, d in deltas.items():
@@ -128,13 +132,18 @@ def split_push(push: WeightPush) -> tuple[dict[str, torch.Tensor], dict[str, Del
 
 
 def check(buffers: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor], deltas: Mapping[str, Delta]) -> None:
-    """BadFrame naming the first tensor of a push that does not fit `buffers` (unknown, wrong shape or dtype, index out of range)."""
+    """BadFrame naming the first tensor of a push that does not fit `buffers`.
+
+    Unknown names, a wrong shape or dtype, an index out of range.
+    """
     for name, t in whole.items():
         dst = buffers.get(name)
         if dst is None:
             raise BadFrame(f"push names {name!r}, which the engine does not hold")
         if tuple(t.shape) != tuple(dst.shape) or t.dtype != dst.dtype:
-            raise BadFrame(f"{name}: push has {t.dtype} {list(t.shape)}, the engine holds {dst.dtype} {list(dst.shape)}")
+            raise BadFrame(
+                f"{name}: push has {t.dtype} {list(t.shape)}, the engine holds {dst.dtype} {list(dst.shape)}"
+            )
     checked = set(checked_names(buffers))
     for name, d in deltas.items():
         dst = buffers.get(name)
@@ -147,13 +156,16 @@ def check(buffers: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor]
         if d.indices.dim() != 1 or d.indices.shape != d.values.shape:
             raise BadFrame(f"{name}: {list(d.indices.shape)} delta indices for {list(d.values.shape)} values")
         if d.indices.numel() and not 0 <= int(d.indices.min()) <= int(d.indices.max()) < dst.numel():
-            raise BadFrame(f"{name}: delta indices {int(d.indices.min())}..{int(d.indices.max())} are out of range "
-                           f"for {list(dst.shape)}")
+            raise BadFrame(
+                f"{name}: delta indices {int(d.indices.min())}..{int(d.indices.max())} are out of range "
+                f"for {list(dst.shape)}"
+            )
 
 
 @torch.no_grad()
-def apply(buffers: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor], deltas: Mapping[str, Delta],
-          expected: str) -> None:
+def apply(
+    buffers: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor], deltas: Mapping[str, Delta], expected: str
+) -> None:
     """Write a push into `buffers` in place, all or nothing: checked first, undone if the checksum then differs.
 
     Raises BadFrame (does not fit) or ChecksumMismatch; either way `buffers` are left exactly as they were.

@@ -38,12 +38,15 @@ def check_entries(tensors: Mapping[str, WireTensor], mode: str) -> None:
             continue
         where = [base + p for p in (DELTA_INDEX, DELTA_MASK) if base + p in tensors]
         if len(where) != 1:
-            raise BadField(f"tensor {name}: needs exactly one of its pairs {base}{DELTA_INDEX} or {base}{DELTA_MASK}, "
-                           f"got {len(where)}")
+            raise BadField(
+                f"tensor {name}: needs exactly one of its pairs {base}{DELTA_INDEX} or {base}{DELTA_MASK}, "
+                f"got {len(where)}"
+            )
         pos = tensors[where[0]]
         if t.data.ndim != 1 or pos.data.ndim != 1:
-            raise BadField(f"tensor {base}: delta entries must be 1-D, got {list(pos.data.shape)} and "
-                           f"{list(t.data.shape)}")
+            raise BadField(
+                f"tensor {base}: delta entries must be 1-D, got {list(pos.data.shape)} and {list(t.data.shape)}"
+            )
         if where[0].endswith(DELTA_MASK):
             if pos.dtype != "uint8":
                 raise BadField(f"tensor {base}: a delta mask is uint8, got {pos.dtype}")

@@ -1,8 +1,10 @@
 """Held-out evaluation shared by both processes: the eval prompts, and avg@k scoring of responses."""
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -28,17 +30,24 @@ def load_prompts(cfg: Any, files: list[str], tokenizer: Any, **options: Any) -> 
     room = get(cfg, "rollout.max_seq_len") - get(cfg, "rollout.sampling.max_new_tokens")
     limit = get(cfg, "data.max_prompt_len")
     try:
-        return PromptDataset(files, tokenizer, max_prompt_len=max(1, min(limit, room)),
-                             instruction=get(cfg, "data.instruction"), **options)
+        return PromptDataset(
+            files,
+            tokenizer,
+            max_prompt_len=max(1, min(limit, room)),
+            instruction=get(cfg, "data.instruction"),
+            **options,
+        )
     except DatasetError as exc:
         if room >= limit:
             raise
-        raise DatasetError(f"rollout.max_seq_len={get(cfg, 'rollout.max_seq_len')} leaves {max(room, 0)} tokens for a "
-                           f"prompt after rollout.sampling.max_new_tokens={get(cfg, 'rollout.sampling.max_new_tokens')} "
-                           f"(data.max_prompt_len={limit}); raise rollout.max_seq_len ({exc})") from None
+        raise DatasetError(
+            f"rollout.max_seq_len={get(cfg, 'rollout.max_seq_len')} leaves {max(room, 0)} tokens for a "
+            f"prompt after rollout.sampling.max_new_tokens={get(cfg, 'rollout.sampling.max_new_tokens')} "
+            f"(data.max_prompt_len={limit}); raise rollout.max_seq_len ({exc})"
+        ) from None
 
 
-def load_eval_set(cfg: Any, tokenizer: Any) -> Optional[EvalSet]:
+def load_eval_set(cfg: Any, tokenizer: Any) -> EvalSet | None:
     """The first eval.max_problems prompts of data.eval_files, or None when there are none."""
     files = list(get(cfg, "data.eval_files"))
     if not files:
@@ -59,20 +68,32 @@ def avg_at_k(pool: RewardPool, responses: Sequence[Sequence[str]], answers: Sequ
 
 
 @torch.no_grad()
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], pad_id: int, eos_ids: list[int],
-              max_new_tokens: int, batch_size: int = 256) -> list[list[int]]:
+def hf_greedy(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    pad_id: int,
+    eos_ids: list[int],
+    max_new_tokens: int,
+    batch_size: int = 256,
+) -> list[list[int]]:
     """Greedy responses of a transformers model, left-padded in batches (the full-precision reference)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     out: list[list[int]] = []
     for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i:i + batch_size]
+        chunk = prompts[i : i + batch_size]
         width = max(map(len, chunk))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos_ids, pad_token_id=pad_id)
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_ids,
+            pad_token_id=pad_id,
+        )
         for row in gen[:, width:].tolist():
             cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
             out.append(row[:cut])

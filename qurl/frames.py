@@ -317,8 +317,9 @@ def _desc(name: str, dtype: str, arr: np.ndarray) -> dict:
     return {"name": name, "dtype": dtype, "shape": list(arr.shape), "nbytes": int(arr.nbytes)}
 
 
-def to_frames(kind: str, fields: dict, arrays: list[Array], *, sender: str, session: str, seq: int,
-          secret: bytes | None) -> list[Any]:
+def to_frames(
+    kind: str, fields: dict, arrays: list[Array], *, sender: str, session: str, seq: int, secret: bytes | None
+) -> list[Any]:
     """Header fields and arrays -> frames for zmq send_multipart(copy=False); frames may alias the arrays."""
     header = {
         "kind": kind,

@@ -1,4 +1,5 @@
 """qurl-async: start the learner and the rollout server(s), supervise them, and report the run."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -51,18 +52,24 @@ class Child:
     argv: list[str]
     env: dict[str, str]
     log_path: str
-    proc: Optional[subprocess.Popen] = None
+    proc: subprocess.Popen | None = None
     restarts: int = 0
-    log_file: Optional[object] = field(default=None, repr=False)
+    log_file: object | None = field(default=None, repr=False)
 
     def start(self) -> None:
         self.log_file = open(self.log_path, "ab", buffering=0)
         self.log_file.write(f"--- {self.name} start (restart {self.restarts}) ---\n".encode())
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         return self.proc.poll() if self.proc else None
 
     def signal(self, sig: int, group: bool = True) -> None:
@@ -93,7 +100,7 @@ def _threads_per_process(n_processes: int) -> str:
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // n_processes))
 
 
-def node_gpus(cfg: DictConfig) -> tuple[Optional[int], Optional[list[str]]]:
+def node_gpus(cfg: DictConfig) -> tuple[int | None, list[str] | None]:
     """(GPUs this node has, the launcher's CUDA_VISIBLE_DEVICES list); (None, None) for a CPU config."""
     if not cfg.cluster.learner_gpus and not cfg.cluster.rollout_gpus:
         return None, None
@@ -103,16 +110,24 @@ def node_gpus(cfg: DictConfig) -> tuple[Optional[int], Optional[list[str]]]:
     return torch.cuda.device_count(), [v.strip() for v in visible.split(",")] if visible else None
 
 
-def build_children(cfg: DictConfig, config_path: str, out: str, available_gpus: Optional[int] = None,
-                   visible: Optional[list[str]] = None) -> tuple[Child, list[Child]]:
+def build_children(
+    cfg: DictConfig, config_path: str, out: str, available_gpus: int | None = None, visible: list[str] | None = None
+) -> tuple[Child, list[Child]]:
     """The learner (it spawns its own ranks) and the rollout servers, as qurl.layout.plan places them."""
     learner_plan, *server_plans = plan(cfg, available_gpus, visible)
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not cfg.cluster.learner_gpus:
         base_env["OMP_NUM_THREADS"] = _threads_per_process(cfg.cluster.learner_ranks + len(server_plans))
     logs = os.path.join(out, "logs")
-    learner, *servers = [Child(p.name, _script(p.program) + ["--config", config_path], dict(base_env, **p.env),
-                               os.path.join(logs, f"{p.name}.log")) for p in [learner_plan, *server_plans]]
+    learner, *servers = [
+        Child(
+            p.name,
+            _script(p.program) + ["--config", config_path],
+            dict(base_env, **p.env),
+            os.path.join(logs, f"{p.name}.log"),
+        )
+        for p in [learner_plan, *server_plans]
+    ]
     return learner, servers
 
 
@@ -134,27 +149,34 @@ class ProgressBar:
             return
         last = train[-1]
         self.bar.n = max(self.bar.n, int(last["step"]))  # rows are whole steps after the resume point: never backwards
-        post = {"reward": last.get("reward/mean"), "tok/s": last.get("rollout/tokens_per_s"),
-                "v": last.get("version"), "stale": last.get("staleness/mean")}
+        post = {
+            "reward": last.get("reward/mean"),
+            "tok/s": last.get("rollout/tokens_per_s"),
+            "v": last.get("version"),
+            "stale": last.get("staleness/mean"),
+        }
         for key in ("eval/acc_quant", "eval/acc_fp"):
             acc = [r[key] for r in rows if key in r]
             if acc:
                 post[key.split("/")[1]] = acc[-1]
-        self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in post.items()
-                              if v is not None}, refresh=False)
+        self.bar.set_postfix(
+            {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in post.items() if v is not None}, refresh=False
+        )
         self.bar.refresh()
         streak = no_signal_streak(rows)
         if streak >= NO_SIGNAL_STEPS and not self.no_signal_warned:
             self.no_signal_warned = True
-            self.bar.write(f"{PROG}: WARNING: no reward signal for {streak} steps (every group's samples got the "
-                           "same reward, so every advantage and gradient is 0); check reward.name and the data's "
-                           "answers, or make the task easier or harder")
+            self.bar.write(
+                f"{PROG}: WARNING: no reward signal for {streak} steps (every group's samples got the "
+                "same reward, so every advantage and gradient is 0); check reward.name and the data's "
+                "answers, or make the task easier or harder"
+            )
 
     def close(self) -> None:
         self.bar.close()
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Check everything that would fail on every try, claim the run folder, run, report; return the exit code."""
     cfg = parse(PROG, argv)
     out = run_dir(cfg)
@@ -179,8 +201,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _run(cfg: DictConfig, out: str, config_path: str, learner: Child, servers: list[Child], data: dict) -> int:
     """The run itself, in a folder this launcher owns."""
     if run_folder.holds_run(out) and not get(cfg, "run.resume"):
-        print(f"{PROG}: {out} already holds a run; pass run.resume=true to continue it, or choose another "
-              f"run.name / run.dir", file=sys.stderr)
+        print(
+            f"{PROG}: {out} already holds a run; pass run.resume=true to continue it, or choose another "
+            f"run.name / run.dir",
+            file=sys.stderr,
+        )
         return EXIT_INPUT
     notes = _data_notes(data)
     if get(cfg, "run.resume"):
@@ -220,15 +245,19 @@ def _run(cfg: DictConfig, out: str, config_path: str, learner: Child, servers: l
         _shutdown(learner, servers)
     wall = time.time() - started
     ledger = books.close_run(out, learner_ended_cleanly=learner.poll() == 0)
-    summary = write_summary(out, config_yaml, wall, {"restarts": {s.name: s.restarts for s in servers},
-                                                     "exit_code": code, "books": ledger, **notes})
+    summary = write_summary(
+        out,
+        config_yaml,
+        wall,
+        {"restarts": {s.name: s.restarts for s in servers}, "exit_code": code, "books": ledger, **notes},
+    )
     plot_curves(out)
     _print_summary(summary, out, code)
     return code
 
 
 def resume_point(root: str) -> dict[str, Any]:
-    """Where run.resume=true continues, said on the console; ConfigError (one line) when checkpoints exist and none is intact."""
+    """Where run.resume=true continues (said on the console); ConfigError if checkpoints exist but none is intact."""
     skipped = []
     for step, path in step_dirs(root):
         why, _ = checkpoint_files.problem(path)
@@ -239,8 +268,9 @@ def resume_point(root: str) -> dict[str, Any]:
             return {"resume/step": step, "resume/from": path, "resume/skipped": skipped}
         skipped.append(f"{os.path.basename(path)}: {why}")
     if skipped:
-        raise ConfigError(f"run.resume=true but no checkpoint in {root} is usable ({'; '.join(skipped)}); "
-                          "nothing was changed")
+        raise ConfigError(
+            f"run.resume=true but no checkpoint in {root} is usable ({'; '.join(skipped)}); nothing was changed"
+        )
     print(f"{PROG}: run.resume=true but {root} holds no checkpoint; starting from model.path (step 0)", file=sys.stderr)
     return {"resume/step": 0, "resume/from": None, "resume/skipped": []}
 
@@ -249,11 +279,16 @@ def _data_notes(data: dict) -> dict[str, Any]:
     """Skipped data rows: one console line per file set, and data/bad_rows for summary.json."""
     for key, counts in data.items():
         if counts["bad_rows"]:
-            print(f"{PROG}: data.{key}_files: skipped {counts['bad_rows']} of {counts['rows']} rows; first: "
-                  f"{counts['first_bad'][0]}", file=sys.stderr)
-    return {"data/bad_rows": data["train"]["bad_rows"],
-            "data/first_bad_rows": data["train"]["first_bad"],
-            **({"data/eval_bad_rows": data["eval"]["bad_rows"]} if "eval" in data else {})}
+            print(
+                f"{PROG}: data.{key}_files: skipped {counts['bad_rows']} of {counts['rows']} rows; first: "
+                f"{counts['first_bad'][0]}",
+                file=sys.stderr,
+            )
+    return {
+        "data/bad_rows": data["train"]["bad_rows"],
+        "data/first_bad_rows": data["train"]["first_bad"],
+        **({"data/eval_bad_rows": data["eval"]["bad_rows"]} if "eval" in data else {}),
+    }
 
 
 def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: ProgressBar, stop: dict) -> int:
@@ -262,8 +297,7 @@ def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: 
         time.sleep(0.5)
         progress.update()
         if stop["signal"] is not None:
-            print(f"\n{PROG}: got signal {stop['signal']}; asking the learner to checkpoint and stop",
-                  file=sys.stderr)
+            print(f"\n{PROG}: got signal {stop['signal']}; asking the learner to checkpoint and stop", file=sys.stderr)
             learner.signal(signal.SIGTERM)
             _wait(learner, timeout=120)
             return 0 if learner.poll() == 0 else 1
@@ -275,9 +309,12 @@ def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: 
             if code in (EXIT_INPUT, EXIT_DIVERGED):  # its one line says what to fix; a resume would fail the same way
                 print(f"\n{PROG}: the learner stopped (exit {code}): {learner.last_line()}", file=sys.stderr)
                 return code
-            print(f"\n{PROG}: the learner exited with code {code}; last lines of its log:\n{learner.tail()}\n"
-                  f"resume with: {PROG} --config <your config> run.resume=true "
-                  f"(run.dir={cfg.run.dir})", file=sys.stderr)
+            print(
+                f"\n{PROG}: the learner exited with code {code}; last lines of its log:\n{learner.tail()}\n"
+                f"resume with: {PROG} --config <your config> run.resume=true "
+                f"(run.dir={cfg.run.dir})",
+                file=sys.stderr,
+            )
             return EXIT_FAULT
         for s in servers:
             code = s.poll()
@@ -289,14 +326,19 @@ def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: 
                 _wait(learner, timeout=120)
                 return EXIT_INPUT
             if s.restarts >= max_restarts:
-                print(f"\n{PROG}: {s.name} exited with code {code} and run.max_restarts={max_restarts} is used "
-                      f"up; last lines of its log:\n{s.tail()}", file=sys.stderr)
+                print(
+                    f"\n{PROG}: {s.name} exited with code {code} and run.max_restarts={max_restarts} is used "
+                    f"up; last lines of its log:\n{s.tail()}",
+                    file=sys.stderr,
+                )
                 learner.signal(signal.SIGTERM)
                 _wait(learner, timeout=120)
                 return EXIT_FAULT
             s.restarts += 1
-            print(f"\n{PROG}: {s.name} exited with code {code}; restarting it ({s.restarts}/{max_restarts})",
-                  file=sys.stderr)
+            print(
+                f"\n{PROG}: {s.name} exited with code {code}; restarting it ({s.restarts}/{max_restarts})",
+                file=sys.stderr,
+            )
             s.env[REPLACES_ENV] = str(s.proc.pid)  # the new server's hello returns the dead one's budget share
             s.start()
             _write_pids(cfg.run.dir, [learner, *servers])
@@ -330,24 +372,35 @@ def _shutdown(learner: Child, servers: list[Child]) -> None:
 
 
 def _print_summary(summary: dict, out: str, code: int) -> None:
-    lines = [f"{PROG}: {'finished' if code == 0 else 'FAILED'} after {summary['steps']} steps "
-             f"in {summary['wall_s']:.0f} s"]
+    lines = [
+        f"{PROG}: {'finished' if code == 0 else 'FAILED'} after {summary['steps']} steps in {summary['wall_s']:.0f} s"
+    ]
     first, last = summary.get("eval/acc_quant/first"), summary.get("eval/acc_quant/last")
     if first is not None:
         version = summary["eval/acc_quant/last_version"]
         change = f" -> {last:.3f} (version {version})" if version else ""
-        unfinished = "" if summary["eval/acc_quant/final"] is not None else (
-            f"; the final weights (version {summary['version']}) were not evaluated")
+        unfinished = (
+            ""
+            if summary["eval/acc_quant/final"] is not None
+            else (f"; the final weights (version {summary['version']}) were not evaluated")
+        )
         lines.append(f"  held-out accuracy (quantized engine): {first:.3f}{change}{unfinished}")
     if summary.get("reward/no_signal_steps", 0) >= NO_SIGNAL_STEPS:
-        lines.append(f"  WARNING: {summary['reward/no_signal_steps']} steps in a row had no reward signal "
-                     "(every group all-equal)")
+        lines.append(
+            f"  WARNING: {summary['reward/no_signal_steps']} steps in a row had no reward signal "
+            "(every group all-equal)"
+        )
     if summary.get("data/bad_rows"):
         lines.append(f"  data: {summary['data/bad_rows']} bad rows skipped (summary.json data/first_bad_rows)")
     b = summary["books"]
-    lines.append(f"  books: {b['generated']} groups generated, {b['used']} used, {b['dropped_stale']} dropped stale; "
-                 + ("balanced" if b["balanced"] else "DO NOT BALANCE: " + "; ".join(b["problems"])))
-    written = [name for name in ("summary.json", "curves.png", "metrics.jsonl", "checkpoints/", "hf/")
-               if os.path.exists(os.path.join(out, name.rstrip("/")))]
+    lines.append(
+        f"  books: {b['generated']} groups generated, {b['used']} used, {b['dropped_stale']} dropped stale; "
+        + ("balanced" if b["balanced"] else "DO NOT BALANCE: " + "; ".join(b["problems"]))
+    )
+    written = [
+        name
+        for name in ("summary.json", "curves.png", "metrics.jsonl", "checkpoints/", "hf/")
+        if os.path.exists(os.path.join(out, name.rstrip("/")))
+    ]
     lines.append(f"  outputs: {', '.join(f'{out}/{name}' for name in written)}")
     print("\n".join(lines), file=sys.stderr)

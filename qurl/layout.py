@@ -7,10 +7,11 @@ index by QURL_SERVER_INDEX; SGLang places its TP ranks itself (base_gpu_id), so 
 GPU numbering. The embedded torch engine gets its slice of cluster.rollout_gpus as CUDA_VISIBLE_DEVICES.
 GPU indices are as the launcher sees them (through its own CUDA_VISIBLE_DEVICES, if set).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from qurl.config import ConfigError, get
 
@@ -28,7 +29,7 @@ class ProcessPlan:
     gpus: list[int] = field(default_factory=list)
 
 
-def plan(cfg: Any, available_gpus: Optional[int] = None, visible: Optional[list[str]] = None) -> list[ProcessPlan]:
+def plan(cfg: Any, available_gpus: int | None = None, visible: list[str] | None = None) -> list[ProcessPlan]:
     """The learner, then the rollout servers; ConfigError (one line) for a layout that cannot run.
 
     available_gpus: GPUs this node has (None: not checked); visible: the launcher's own CUDA_VISIBLE_DEVICES.
@@ -45,14 +46,21 @@ def plan(cfg: Any, available_gpus: Optional[int] = None, visible: Optional[list[
         if not rollout_gpus:
             raise ConfigError("rollout.engine=sglang needs cluster.rollout_gpus (the GPUs of its replicas)")
         if len(rollout_gpus) % tp:
-            raise ConfigError(f"cluster.rollout_gpus has {len(rollout_gpus)} GPUs, not a multiple of "
-                              f"rollout.tp_size={tp}")
+            raise ConfigError(
+                f"cluster.rollout_gpus has {len(rollout_gpus)} GPUs, not a multiple of rollout.tp_size={tp}"
+            )
         replicas = len(rollout_gpus) // tp
         if get(cfg, "cluster.rollout_servers") != replicas:
-            raise ConfigError(f"cluster.rollout_servers={get(cfg, 'cluster.rollout_servers')}, but rollout.engine=sglang "
-                              f"runs one server per replica: len(cluster.rollout_gpus) // rollout.tp_size = {replicas}")
-        servers = [ProcessPlan(f"rollout-{i}", "qurl-rollout-server", {SERVER_INDEX_ENV: str(i)},
-                               rollout_gpus[i * tp:(i + 1) * tp]) for i in range(replicas)]
+            raise ConfigError(
+                f"cluster.rollout_servers={get(cfg, 'cluster.rollout_servers')}, but rollout.engine=sglang "
+                f"runs one server per replica: len(cluster.rollout_gpus) // rollout.tp_size = {replicas}"
+            )
+        servers = [
+            ProcessPlan(
+                f"rollout-{i}", "qurl-rollout-server", {SERVER_INDEX_ENV: str(i)}, rollout_gpus[i * tp : (i + 1) * tp]
+            )
+            for i in range(replicas)
+        ]
         return [learner, *servers]
     n = get(cfg, "cluster.rollout_servers")
     if tp != 1:
@@ -60,14 +68,15 @@ def plan(cfg: Any, available_gpus: Optional[int] = None, visible: Optional[list[
     per_server = max(1, len(rollout_gpus) // n) if rollout_gpus else 0
     servers = []
     for i in range(n):
-        gpus = rollout_gpus[i * per_server:(i + 1) * per_server]
+        gpus = rollout_gpus[i * per_server : (i + 1) * per_server]
         env = {SERVER_INDEX_ENV: str(i), **(devices(gpus) if gpus else {})}
         servers.append(ProcessPlan(f"rollout-{i}", "qurl-rollout-server", env, gpus))
     return [learner, *servers]
 
 
-def _check_gpus(cfg: Any, learner_gpus: list[int], rollout_gpus: list[int], available: Optional[int],
-                visible: Optional[list[str]]) -> None:
+def _check_gpus(
+    cfg: Any, learner_gpus: list[int], rollout_gpus: list[int], available: int | None, visible: list[str] | None
+) -> None:
     for key, gpus in (("cluster.learner_gpus", learner_gpus), ("cluster.rollout_gpus", rollout_gpus)):
         repeated = sorted({g for g in gpus if gpus.count(g) > 1})
         if repeated:
@@ -78,13 +87,19 @@ def _check_gpus(cfg: Any, learner_gpus: list[int], rollout_gpus: list[int], avai
             raise ConfigError(f"{key}={gpus} names GPU {bad}, but this node has {count} GPUs (0..{(count or 1) - 1})")
     ranks = get(cfg, "cluster.learner_ranks")
     if learner_gpus and len(learner_gpus) != ranks:
-        raise ConfigError(f"cluster.learner_gpus lists {len(learner_gpus)} GPUs for cluster.learner_ranks={ranks}; "
-                          "give one GPU per rank")
+        raise ConfigError(
+            f"cluster.learner_gpus lists {len(learner_gpus)} GPUs for cluster.learner_ranks={ranks}; "
+            "give one GPU per rank"
+        )
     shared = sorted(set(learner_gpus) & set(rollout_gpus))
     if shared:
         if get(cfg, "sync.transport") != "cuda-ipc":
-            raise ConfigError(f"cluster.learner_gpus and cluster.rollout_gpus share GPUs {shared}; give them "
-                              "disjoint GPUs, or colocate with sync.transport=cuda-ipc and rollout.mem_fraction")
+            raise ConfigError(
+                f"cluster.learner_gpus and cluster.rollout_gpus share GPUs {shared}; give them "
+                "disjoint GPUs, or colocate with sync.transport=cuda-ipc and rollout.mem_fraction"
+            )
         if get(cfg, "rollout.mem_fraction") is None:
-            raise ConfigError(f"colocated on GPUs {shared}: set rollout.mem_fraction (e.g. 0.4) so that SGLang "
-                              "leaves memory for the learner")
+            raise ConfigError(
+                f"colocated on GPUs {shared}: set rollout.mem_fraction (e.g. 0.4) so that SGLang "
+                "leaves memory for the learner"
+            )

@@ -1,20 +1,38 @@
 """Per-step metrics to metrics.jsonl (the design.md §6 contract), TensorBoard and, when configured, wandb."""
+
 from __future__ import annotations
 
 import json
 import logging
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 # design.md §6: every learner step's row holds at least these
 CONTRACT_KEYS = (
-    "step", "version", "time/step_s", "reward/mean", "reward/std", "loss/policy", "actor/clipfrac",
-    "actor/grad_norm", "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/rho_max", "tis/truncated_frac",
-    "acr/widened_frac", "staleness/mean", "staleness/max", "buffer/dropped_stale", "rollout/tokens_per_s",
-    "rollout/response_len_mean", "sync/seconds", "sync/bytes", "sync/changed_frac",
+    "step",
+    "version",
+    "time/step_s",
+    "reward/mean",
+    "reward/std",
+    "loss/policy",
+    "actor/clipfrac",
+    "actor/grad_norm",
+    "mismatch/kl_k1",
+    "mismatch/kl_k3",
+    "mismatch/rho_max",
+    "tis/truncated_frac",
+    "acr/widened_frac",
+    "staleness/mean",
+    "staleness/max",
+    "buffer/dropped_stale",
+    "rollout/tokens_per_s",
+    "rollout/response_len_mean",
+    "sync/seconds",
+    "sync/bytes",
+    "sync/changed_frac",
 )
 
 
@@ -49,8 +67,16 @@ def truncate_after(path: str, step: int) -> None:
 class MetricsLogger:
     """Appends one JSON line per step (flushed, so a killed run keeps its rows) and mirrors it to TensorBoard/wandb."""
 
-    def __init__(self, run_dir: str, *, tensorboard: bool = True, wandb_project: str = "",
-                 run_name: str = "", config: Optional[dict] = None, resume_step: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        tensorboard: bool = True,
+        wandb_project: str = "",
+        run_name: str = "",
+        config: dict | None = None,
+        resume_step: int | None = None,
+    ) -> None:
         """resume_step: continuing a run from that step's checkpoint; rows logged after it are dropped."""
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")

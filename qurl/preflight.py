@@ -3,6 +3,7 @@
 Each problem is one line naming the key and the file; nothing here is retried. What passes but deserves a
 word (skipped data rows) comes back as counts for the console and summary.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,16 +29,19 @@ def check(cfg: DictConfig) -> dict[str, Any]:
         resolve_reward_fn(get(cfg, "reward.name"))
     except RewardError as exc:
         raise ConfigError(str(exc)) from None
-    return {"train": _check_data("data.train_files", list(get(cfg, "data.train_files"))),
-            **({"eval": _check_data("data.eval_files", files)} if (files := list(get(cfg, "data.eval_files"))) else {})}
+    return {
+        "train": _check_data("data.train_files", list(get(cfg, "data.train_files"))),
+        **({"eval": _check_data("data.eval_files", files)} if (files := list(get(cfg, "data.eval_files"))) else {}),
+    }
 
 
 def _check_model(path: str) -> None:
     """Tokenizer files present and every safetensors file as long as its header says."""
     names = set(os.listdir(path))
     if not names & set(TOKENIZER_FILES):
-        raise ConfigError(f"model.path={path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy them "
-                          "from the base model")
+        raise ConfigError(
+            f"model.path={path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy them from the base model"
+        )
     shards = sorted(n for n in names if n.endswith(".safetensors"))
     if not shards and not any(n.endswith(".bin") for n in names):
         raise ConfigError(f"model.path={path!r} has no weights (*.safetensors or *.bin)")

@@ -24,9 +24,30 @@ import numpy as np
 
 from qurl import sglang_payload
 from qurl.delta_names import check_entries
-from qurl.frames import (DTYPES, ENVELOPE, MAX_NAME_CHARS, MAX_NDIM, Array, BadField, BadFrame, BadHeader, ReplayGuard,
-                         Views, WireTensor, check_array, check_float, check_int, check_json_dict, check_stamp,
-                         check_str, open_frames, pack_buckets, read_arrays, to_frames, unpack_buckets)
+from qurl.frames import (
+    DTYPES,
+    ENVELOPE,
+    MAX_NAME_CHARS,
+    MAX_NDIM,
+    Array,
+    BadField,
+    BadFrame,
+    BadHeader,
+    ReplayGuard,
+    Views,
+    WireTensor,
+    check_array,
+    check_float,
+    check_int,
+    check_json_dict,
+    check_stamp,
+    check_str,
+    open_frames,
+    pack_buckets,
+    read_arrays,
+    to_frames,
+    unpack_buckets,
+)
 
 LOGPROB_TOL = 1e-4  # behaviour logprobs may round a hair above 0
 FINISH_REASON_CHARS = 64
@@ -35,8 +56,7 @@ PUSH_MODES = ("full", "delta")
 REF_TRANSPORTS = ("cuda-ipc", "nccl")
 # server -> learner: hello, heartbeat, bye, resend_weights (lagging, or a checksum mismatch), eval_result;
 # learner -> server: reply (its version and the server's budget), resend_status (say hello again), eval_request
-STATUS_TYPES = ("hello", "heartbeat", "bye", "reply", "resend_status", "resend_weights", "eval_request",
-                "eval_result")
+STATUS_TYPES = ("hello", "heartbeat", "bye", "reply", "resend_status", "resend_weights", "eval_request", "eval_result")
 # the most each socket takes in one message (libzmq drops a bigger frame, decode a bigger message)
 TRAJECTORY_MAX_BYTES = 64 << 20  # a group: prompt + n responses, far below this
 CONTROL_MAX_BYTES = 1 << 20
@@ -133,10 +153,12 @@ class Sample:
 
 
 def _samples_out(group: TrajectoryGroup) -> tuple[dict, list[Array]]:
-    rows = [dict(zip(SAMPLE_ROW, (len(s.token_ids), s.reward, s.finish_reason, s.reward_details)))
-            for s in group.samples]
-    return {"samples": rows}, [(n, d, np.concatenate([getattr(s, n) for s in group.samples]))
-                               for n, d in SAMPLE_ARRAYS.items()]
+    rows = [
+        dict(zip(SAMPLE_ROW, (len(s.token_ids), s.reward, s.finish_reason, s.reward_details))) for s in group.samples
+    ]
+    return {"samples": rows}, [
+        (n, d, np.concatenate([getattr(s, n) for s in group.samples])) for n, d in SAMPLE_ARRAYS.items()
+    ]
 
 
 def _samples_in(h: dict, arrays: Views) -> tuple[Sample, ...]:
@@ -155,8 +177,11 @@ def _samples_in(h: dict, arrays: Views) -> tuple[Sample, ...]:
     for r in rows:
         end = pos + r["length"]
         per_token = {name: arrays[name][1][pos:end] for name in SAMPLE_ARRAYS}
-        samples.append(Sample(**per_token, reward=r["reward"], finish_reason=r["finish_reason"],
-                              reward_details=r["reward_details"]))
+        samples.append(
+            Sample(
+                **per_token, reward=r["reward"], finish_reason=r["finish_reason"], reward_details=r["reward_details"]
+            )
+        )
         pos = end
     return tuple(samples)
 
@@ -209,8 +234,10 @@ def _tensors(value: Any, name: str) -> dict[str, WireTensor]:
         if storage is None:
             raise BadField(f"tensor {tensor}: dtype {t.dtype!r} is not allowed")
         if t.data.dtype != storage or t.data.ndim > MAX_NDIM:
-            raise BadField(f"tensor {tensor}: {t.dtype} needs {storage.name} storage with <= {MAX_NDIM} dims, got "
-                           f"{t.data.dtype.name} {t.data.shape}")
+            raise BadField(
+                f"tensor {tensor}: {t.dtype} needs {storage.name} storage with <= {MAX_NDIM} dims, got "
+                f"{t.data.dtype.name} {t.data.shape}"
+            )
         tensors[tensor] = t
     return tensors
 
@@ -281,8 +308,11 @@ class Status(Message):
 
 
 def _payloads_out(ref: WeightRef) -> tuple[dict, list[Array]]:
-    return {"ranks": ref.ranks}, [(f"payload{b}.{i}", "uint8", np.frombuffer(x, np.uint8))
-                                  for b, p in enumerate(ref.payloads) for i, x in enumerate(p)]
+    return {"ranks": ref.ranks}, [
+        (f"payload{b}.{i}", "uint8", np.frombuffer(x, np.uint8))
+        for b, p in enumerate(ref.payloads)
+        for i, x in enumerate(p)
+    ]
 
 
 def _payloads_in(h: dict, arrays: Views) -> Sequence[Sequence[bytes]]:
@@ -291,8 +321,10 @@ def _payloads_in(h: dict, arrays: Views) -> Sequence[Sequence[bytes]]:
         raise BadField("buckets: expected a list")
     want = [f"payload{b}.{i}" for b in range(len(buckets)) for i in range(ranks)]
     if list(arrays) != want or any(d != "uint8" or a.ndim != 1 for d, a in arrays.values()):
-        raise BadFrame(f"weight_ref: arrays {list(arrays)[:4]}..., expected {len(want)} uint8 payloads "
-                       f"payload<bucket>.<rank> in order")
+        raise BadFrame(
+            f"weight_ref: arrays {list(arrays)[:4]}..., expected {len(want)} uint8 payloads "
+            f"payload<bucket>.<rank> in order"
+        )
     payloads = [[arrays[f"payload{b}.{i}"][1].tobytes() for i in range(ranks)] for b in range(len(buckets))]
     return payloads if ranks else ()
 
@@ -312,8 +344,9 @@ class WeightRef(Message):
     scheme: str = wire(_text(64))
     transport: str = wire(_one_of(REF_TRANSPORTS))
     buckets: Sequence[sglang_payload.Meta] = wire(sglang_payload.check_metas)
-    payloads: Sequence[Sequence[bytes]] = wire(None, packed=Packed(("ranks",), None, _payloads_out, _payloads_in),
-                                               default=())
+    payloads: Sequence[Sequence[bytes]] = wire(
+        None, packed=Packed(("ranks",), None, _payloads_out, _payloads_in), default=()
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -383,8 +416,14 @@ def _check_fixed(kind: str, expected: Mapping[str, str], arrays: Views) -> None:
             raise BadFrame(f"{name}: {dtype} {list(arr.shape)}, expected 1-D {expected[name]}")
 
 
-def decode(frames: Sequence[Any], *, secret: bytes | None, max_bytes: int, replay_guard: ReplayGuard | None = None,
-           kinds: Collection[str] | None = None) -> Message:
+def decode(
+    frames: Sequence[Any],
+    *,
+    secret: bytes | None,
+    max_bytes: int,
+    replay_guard: ReplayGuard | None = None,
+    kinds: Collection[str] | None = None,
+) -> Message:
     """Frames -> message, or a ProtocolError subclass naming the first thing that is wrong.
 
     Order: sizes, MAC (before any parsing when a secret is set), header, replay, kind, arrays,

@@ -1,11 +1,12 @@
 """End-of-run report (design.md §6): summary.json and curves.png from metrics.jsonl."""
+
 from __future__ import annotations
 
 import hashlib
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -22,17 +23,17 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _last(rows: list[dict], key: str) -> Optional[float]:
+def _last(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return values[-1] if values else None
 
 
-def _best(rows: list[dict], key: str) -> Optional[float]:
+def _best(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     return max(values) if values else None
 
 
-def _first(rows: list[dict], key: str) -> Optional[float]:
+def _first(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return values[0] if values else None
 
@@ -51,7 +52,7 @@ def no_signal_streak(rows: list[dict[str, Any]]) -> int:
     return longest
 
 
-def write_summary(run_dir: str, config_yaml: str, wall_s: float, extra: Optional[dict] = None) -> dict:
+def write_summary(run_dir: str, config_yaml: str, wall_s: float, extra: dict | None = None) -> dict:
     """Write summary.json: final and best reward and accuracy, totals, wall time, config hash."""
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     summary: dict[str, Any] = {
@@ -79,8 +80,10 @@ def write_summary(run_dir: str, config_yaml: str, wall_s: float, extra: Optional
         "skipped_steps": _last(rows, "train/skipped_steps"),
         "sync_bytes": sum(r.get("sync/bytes", 0) for r in rows),
         # samples trained on, by how their reward was obtained (timeout / error / nan score 0 and are counted)
-        "reward_status": {k[len("reward/status_"):]: sum(r.get(k, 0) for r in rows)
-                          for k in sorted({k for r in rows for k in r if k.startswith("reward/status_")})},
+        "reward_status": {
+            k[len("reward/status_") :]: sum(r.get(k, 0) for r in rows)
+            for k in sorted({k for r in rows for k in r if k.startswith("reward/status_")})
+        },
     }
     summary.update(extra or {})
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
@@ -107,7 +110,7 @@ def _moving_mean(values: tuple, window: int) -> list[float]:
     return out
 
 
-def plot_curves(run_dir: str) -> Optional[str]:
+def plot_curves(run_dir: str) -> str | None:
     """Draw curves.png (reward and accuracy, mismatch KL, clip fractions, throughput) over steps."""
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     if not rows:
@@ -127,7 +130,7 @@ def plot_curves(run_dir: str) -> Optional[str]:
             if key.startswith("eval/") or len(points) < 50:
                 ax.plot(xs, ys, marker="o" if len(points) < 20 else None, ms=3, label=key)
                 continue
-            line, = ax.plot(xs, ys, alpha=0.25, lw=0.8)  # per-step values are noisy: show a moving mean on top
+            (line,) = ax.plot(xs, ys, alpha=0.25, lw=0.8)  # per-step values are noisy: show a moving mean on top
             ax.plot(xs, _moving_mean(ys, max(5, len(ys) // 40)), color=line.get_color(), label=f"{key} (mean)")
         ax.set_title(title)
         ax.set_xlabel("learner step")

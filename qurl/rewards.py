@@ -32,9 +32,9 @@ import re
 import threading
 import time
 from collections import deque
-from fractions import Fraction
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from fractions import Fraction
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,9 @@ def resolve_reward_fn(name: str) -> Callable[[str, str], float]:
         return gsm8k_reward
     module, sep, attr = name.partition(":")
     if not sep or not module or not attr:
-        raise RewardError(f"reward.name: unknown reward {name!r}; allowed: math, arith, gsm8k or package.module:function")
+        raise RewardError(
+            f"reward.name: unknown reward {name!r}; allowed: math, arith, gsm8k or package.module:function"
+        )
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
@@ -195,7 +197,10 @@ def _worker_main(conn: mpc.Connection, lifeline: mpc.Connection, name: str) -> N
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" warning is intended
     try:
         fn = resolve_reward_fn(name)
-        if name in ("math", "gsm8k"):  # the first check in a process takes ~0.2 s (parser warm-up): not on an item's clock
+        if name in (
+            "math",
+            "gsm8k",
+        ):  # the first check in a process takes ~0.2 s (parser warm-up): not on an item's clock
             math_reward("\\boxed{\\frac{1}{2}}", "0.5")
     except BaseException as e:  # noqa: BLE001  (report any import failure to the parent)
         _send(conn, ["fatal", f"{type(e).__name__}: {e}"])
@@ -267,8 +272,13 @@ class RewardPool:
             # Workers fork from a server that has these imported (math_verify takes ~1 s), so a
             # replacement is ready quickly. The fork server is shared: the first pool sets this.
             self._ctx.set_forkserver_preload(["qurl.rewards"] + (["math_verify"] if name != "arith" else []))
-        self.counters = {"reward/scored": 0, "reward/timeouts": 0, "reward/errors": 0, "reward/nan": 0,
-                         "reward/worker_restarts": 0}
+        self.counters = {
+            "reward/scored": 0,
+            "reward/timeouts": 0,
+            "reward/errors": 0,
+            "reward/nan": 0,
+            "reward/worker_restarts": 0,
+        }
         self._workers = [_Worker(self._ctx, name) for _ in range(workers)]
         self._wait_ready()
 
@@ -334,7 +344,9 @@ class RewardPool:
                 if w.job is not None and now >= w.deadline:
                     results[w.job] = RewardResult(0.0, "timeout", f"no result within {self.timeout_s:g} s")
                     self.counters["reward/timeouts"] += 1
-                    log.warning("reward %r: item timed out after %g s; restarting its worker", self.name, self.timeout_s)
+                    log.warning(
+                        "reward %r: item timed out after %g s; restarting its worker", self.name, self.timeout_s
+                    )
                     self._replace(i)
         self.counters["reward/scored"] += len(items)
         return results  # type: ignore[return-value]

@@ -4,6 +4,7 @@ The lock is held open for the launcher's life; the kernel drops it when its owne
 (SIGKILL included), so a crashed run can be resumed at once, while a second launcher on a live run is
 refused before it writes anything.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -55,12 +56,21 @@ def claim(run_dir: str, prog: str) -> RunLock:
         handle.seek(0)
         owner = _owner(handle.read())
         handle.close()
-        raise RunFolderBusy(f"{run_dir} is in use by {owner}; stop that run first, or give this one another "
-                            "run.name / run.dir") from None
+        raise RunFolderBusy(
+            f"{run_dir} is in use by {owner}; stop that run first, or give this one another run.name / run.dir"
+        ) from None
     handle.seek(0)
     handle.truncate()
-    handle.write(json.dumps({"prog": prog, "pid": os.getpid(), "host": socket.gethostname(),
-                             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+    handle.write(
+        json.dumps(
+            {
+                "prog": prog,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+        )
+    )
     handle.flush()
     return RunLock(path, handle)
 

@@ -6,11 +6,11 @@ Facts from sglang 0.5.23: `FlattenedTensorBucket` lays tensors back to back as u
 byte offset is not a multiple of its itemsize; `update_weights_from_tensor` takes one serialized payload per TP
 rank; `update_weights_from_distributed(load_format="flattened_bucket")` receives one uint8 broadcast per bucket.
 """
+
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-
 from typing import Any
 
 import torch
@@ -32,8 +32,10 @@ Meta = tuple[list[str], list[str], list[list[int]]]  # one bucket's (names, dtyp
 def check_scheme(scheme: str) -> None:
     """SGLang refits block FP8 in place, INT8 through our loader, and full precision as is; nothing else."""
     if scheme not in REFIT:
-        raise ValueError(f"scheme {scheme!r} has no SGLang refit; use one of {', '.join(REFIT)} "
-                         "(FP8 on SGLang is block 128x128: quant.fp8_granularity=block)")
+        raise ValueError(
+            f"scheme {scheme!r} has no SGLang refit; use one of {', '.join(REFIT)} "
+            "(FP8 on SGLang is block 128x128: quant.fp8_granularity=block)"
+        )
 
 
 def named_tensors(tensors: Mapping[str, torch.Tensor], scheme: str) -> Named:
@@ -94,8 +96,11 @@ def buckets(named: Named, max_bytes: int = UPDATE_BUCKET_BYTES) -> list[Named]:
 
 def bucket_meta(bucket: Named) -> Meta:
     """(names, dtype names, shapes) as update_weights_from_distributed takes them."""
-    return ([n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            [list(t.shape) for _, t in bucket])
+    return (
+        [n for n, _ in bucket],
+        [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+        [list(t.shape) for _, t in bucket],
+    )
 
 
 def check_metas(metas: Any, name: str) -> list[Meta]:
@@ -145,8 +150,10 @@ def flatten(bucket: Named) -> torch.Tensor:
     parts, offset = [], 0
     for name, t in bucket:
         if offset % t.element_size():
-            raise ValueError(f"{name}: byte offset {offset} is not a multiple of {t.dtype}'s itemsize; "
-                             "order a bucket widest dtype first (see buckets())")
+            raise ValueError(
+                f"{name}: byte offset {offset} is not a multiple of {t.dtype}'s itemsize; "
+                "order a bucket widest dtype first (see buckets())"
+            )
         parts.append(t.detach().contiguous().reshape(-1).view(torch.uint8))
         offset += parts[-1].numel()
     return torch.cat(parts)
@@ -158,7 +165,7 @@ def views(flat: torch.Tensor, meta: Meta) -> Named:
     for name, dtype, shape in zip(*meta, strict=True):
         dt = getattr(torch, dtype)
         size = math.prod(shape) * dt.itemsize
-        out.append((name, flat[offset:offset + size].view(dt).view(shape)))
+        out.append((name, flat[offset : offset + size].view(dt).view(shape)))
         offset += size
     if offset != flat.numel():
         raise ValueError(f"bucket metadata covers {offset} bytes, the buffer holds {flat.numel()}")
@@ -167,9 +174,8 @@ def views(flat: torch.Tensor, meta: Meta) -> Named:
 
 def _prepare_reductions(bucket: Named) -> None:
     """CUDA tensors need SGLang's patched reducers (device by UUID); with them active, CPU tensors cannot be pickled."""
-    from torch.multiprocessing import reductions
-
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from torch.multiprocessing import reductions
 
     devices = {t.device.type for _, t in bucket}
     if devices - {"cpu", "cuda"} or len(devices) != 1:
@@ -177,8 +183,10 @@ def _prepare_reductions(bucket: Named) -> None:
     if "cuda" in devices:
         monkey_patch_torch_reductions()
     elif hasattr(reductions, "_reduce_tensor_original"):
-        raise ValueError("SGLang's CUDA tensor reducers are active in this process and cannot pickle CPU tensors; "
-                         "serialize CPU buckets in a process that never sent CUDA tensors to SGLang")
+        raise ValueError(
+            "SGLang's CUDA tensor reducers are active in this process and cannot pickle CPU tensors; "
+            "serialize CPU buckets in a process that never sent CUDA tensors to SGLang"
+        )
 
 
 def serialize_named(bucket: Named, tp_size: int) -> list[bytes]:
@@ -201,7 +209,7 @@ def serialize_flattened(bucket: Named, tp_size: int) -> list[bytes]:
 
 
 def update_group_layout(replicas: int, tp_size: int) -> tuple[int, list[int]]:
-    """World size of the weight-update group (learner rank 0 + every replica's TP ranks) and each replica's rank offset."""
+    """World size of the weight-update group (learner rank 0 + every replica's TP ranks), each replica's rank offset."""
     if replicas < 1 or tp_size < 1:
         raise ValueError(f"need replicas >= 1 and tp_size >= 1, got {replicas} and {tp_size}")
     return 1 + replicas * tp_size, [1 + r * tp_size for r in range(replicas)]
@@ -217,13 +225,17 @@ def group_address(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def open_update_group(master_address: str, master_port: int, world_size: int, group_name: str,
-                      backend: str = "nccl"):
+def open_update_group(master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl"):
     """Join as rank 0 the group that replicas join with init_weights_update_group(rank_offset, world_size)."""
     from sglang.srt.utils import init_custom_process_group
 
-    return init_custom_process_group(backend=backend, init_method=f"tcp://{master_address}:{master_port}",
-                                     world_size=world_size, rank=0, group_name=group_name)
+    return init_custom_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_address}:{master_port}",
+        world_size=world_size,
+        rank=0,
+        group_name=group_name,
+    )
 
 
 def broadcast_buckets(bucket_list: Iterable[Named], group, device: torch.device | str) -> None:

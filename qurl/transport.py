@@ -49,17 +49,13 @@ def bind(
 ) -> zmq.Socket:
     """Bind; a non-loopback endpoint needs a secret, so nothing is exposed unauthenticated."""
     if secret is None and not is_loopback(endpoint):
-        raise ValueError(
-            f"refusing to bind {endpoint} without transport.secret: set a secret or use 127.0.0.1"
-        )
+        raise ValueError(f"refusing to bind {endpoint} without transport.secret: set a secret or use 127.0.0.1")
     sock = _socket(ctx, kind, max_bytes, hwm)
     sock.bind(endpoint)
     return sock
 
 
-def connect(
-    ctx: zmq.Context, kind: int, endpoint: str, *, max_bytes: int, hwm: int = 1000
-) -> zmq.Socket:
+def connect(ctx: zmq.Context, kind: int, endpoint: str, *, max_bytes: int, hwm: int = 1000) -> zmq.Socket:
     """Connect a socket with the same options as bind."""
     sock = _socket(ctx, kind, max_bytes, hwm)
     sock.connect(endpoint)
@@ -78,9 +74,7 @@ class Sender:
 
     def send(self, msg: Message, *, to: bytes | None = None, flags: int = 0) -> None:
         """Send without copying big frames; `to` is the peer identity on a ROUTER socket."""
-        frames = encode(
-            msg, sender=self.sender, session=self.session, seq=self.seq, secret=self.secret
-        )
+        frames = encode(msg, sender=self.sender, session=self.session, seq=self.seq, secret=self.secret)
         if to is not None:
             frames.insert(0, to)
         self.sock.send_multipart(frames, flags=flags, copy=False)
@@ -156,7 +150,11 @@ class Receiver:
         text = " ".join(str(err).split())[:300]  # attacker-chosen text: one bounded line
         log.warning(
             "dropped a bad message from %s: %s: %s (%d dropped since the last line, %d in all)",
-            peer, name, text, self._unlogged, sum(self.rejected.values()),
+            peer,
+            name,
+            text,
+            self._unlogged,
+            sum(self.rejected.values()),
         )
         self._logged_at = now
         self._unlogged = 0

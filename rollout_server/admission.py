@@ -1,4 +1,5 @@
 """Admission control (design.md §3.5): start work only within the learner's grant of the global staleness budget."""
+
 from __future__ import annotations
 
 

@@ -1,28 +1,29 @@
 """The generation loop: admit groups, step the engine, score, send; take weight pushes between steps."""
+
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
 
 from qurl import books, protocol
-from qurl.frames import ProtocolError
 from qurl.config import get, run_dir
 from qurl.data import Example, PromptDataset
 from qurl.evaluate import EvalSet
+from qurl.frames import ProtocolError
 from qurl.protocol import Status, TrajectoryGroup, WeightPush, WeightRef
 from qurl.rewards import RewardPool, RewardResult
 from qurl.transport import Receiver, Sender
 from rollout_server.admission import Admission
 from rollout_server.engines import Completion, GenRequest
+from rollout_server.scorer import Scorer
 from rollout_server.weight_refs import apply_ref
 from rollout_server.weights import WeightReceiver
 
@@ -30,9 +31,22 @@ log = logging.getLogger("rollout_server")
 
 HEARTBEAT_S = 1.0
 IDLE_WAIT_MS = 20
-COUNTERS = ("admitted", "generated", "scored", "sent", "send_retries", "tokens", "weight_pushes_applied",
-            "weight_pushes_rejected", "weight_pushes_ignored", "bad_messages", "bad_groups", "reward_timeouts",
-            "reward_errors", "reward_nan")
+COUNTERS = (
+    "admitted",
+    "generated",
+    "scored",
+    "sent",
+    "send_retries",
+    "tokens",
+    "weight_pushes_applied",
+    "weight_pushes_rejected",
+    "weight_pushes_ignored",
+    "bad_messages",
+    "bad_groups",
+    "reward_timeouts",
+    "reward_errors",
+    "reward_nan",
+)
 
 
 @dataclass
@@ -57,7 +71,7 @@ class Group:
 
     group_id: str
     example: Example
-    samples: list[Optional[Completion]]
+    samples: list[Completion | None]
     left: int
 
 
@@ -94,57 +108,6 @@ def stop_token_ids(tokenizer: Any, model_path: str) -> list[int]:
     return sorted(ids)
 
 
-class Scorer:
-    """Scores finished groups on one thread (the pool's only caller), so decoding never waits on a verifier."""
-
-    def __init__(self, pool: RewardPool) -> None:
-        self.pool = pool
-        self._todo: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
-        self.pending = 0
-        self._thread = threading.Thread(target=self._run, name="qurl-scorer", daemon=True)
-        self._thread.start()
-
-    def submit(self, group: Group, items: list[tuple[str, str]]) -> None:
-        self.pending += 1
-        self._todo.put((group, items))
-
-    def collect(self) -> list[tuple[Group, list[RewardResult]]]:
-        """Every group scored since the last call."""
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                break
-        self.pending -= len(out)
-        return out
-
-    def close(self, timeout_s: float) -> bool:
-        """Stop the thread after the item in hand; False if it is still busy after timeout_s."""
-        self._todo.put(None)
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        while True:
-            jobs = [self._todo.get()]
-            while not self._todo.empty():  # score everything that is waiting in one call
-                jobs.append(self._todo.get())
-            work = [job for job in jobs if job is not None]
-            items = [item for _, group_items in work for item in group_items]
-            try:
-                results = self.pool.score(items) if items else []
-            except Exception as exc:  # noqa: BLE001  (a broken pool scores 0 with a reason, the loop goes on)
-                results = [RewardResult(0.0, "error", f"{type(exc).__name__}: {exc}"[:300])] * len(items)
-            pos = 0
-            for group, group_items in work:
-                self._done.put((group, results[pos:pos + len(group_items)]))
-                pos += len(group_items)
-            if len(work) < len(jobs):
-                return
-
-
 class Outbox:
     """Groups waiting for the PUSH socket; a full queue (HWM) keeps them for the next try, never drops."""
 
@@ -171,10 +134,24 @@ class RolloutLoop:
     groups waiting to be scored or sent.
     """
 
-    def __init__(self, cfg: Any, *, server_id: str, engine: Any, scheme: str, tokenizer: Any, dataset: PromptDataset,
-                 pool: RewardPool, sockets: Sockets, secret: Optional[bytes], admission: Admission,
-                 stop_ids: list[int], eval_set: Optional[EvalSet] = None, replica: int = 0,
-                 replaces_pid: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        server_id: str,
+        engine: Any,
+        scheme: str,
+        tokenizer: Any,
+        dataset: PromptDataset,
+        pool: RewardPool,
+        sockets: Sockets,
+        secret: bytes | None,
+        admission: Admission,
+        stop_ids: list[int],
+        eval_set: EvalSet | None = None,
+        replica: int = 0,
+        replaces_pid: int = 0,
+    ) -> None:
         self.server_id, self.engine, self.scheme = server_id, engine, scheme
         self.replica = replica  # which per-rank payloads of a cuda-ipc WeightRef are this server's
         self.replaces_pid = replaces_pid  # the dead server of this replica that this one replaces (0: none)
@@ -184,10 +161,15 @@ class RolloutLoop:
         self.scorer = Scorer(pool)
         self.outbox = Outbox(Sender(sockets.push, server_id, secret=secret), self.counters)
         self.control = Sender(sockets.dealer, server_id, secret=secret)
-        self.control_rx = Receiver(sockets.dealer, secret=secret, max_bytes=sockets.dealer.getsockopt(zmq.MAXMSGSIZE),
-                                   kinds=("status",))
-        self.weights_rx = Receiver(sockets.sub, secret=secret, max_bytes=sockets.sub.getsockopt(zmq.MAXMSGSIZE),
-                                   kinds=("weight_push", "weight_ref"))
+        self.control_rx = Receiver(
+            sockets.dealer, secret=secret, max_bytes=sockets.dealer.getsockopt(zmq.MAXMSGSIZE), kinds=("status",)
+        )
+        self.weights_rx = Receiver(
+            sockets.sub,
+            secret=secret,
+            max_bytes=sockets.sub.getsockopt(zmq.MAXMSGSIZE),
+            kinds=("weight_push", "weight_ref"),
+        )
         self.running: dict[int, Group] = {}  # engine request id (draw index) -> group
         self.scoring = 0  # generated groups at the scorer
         self.run_dir = run_dir(cfg)
@@ -195,15 +177,16 @@ class RolloutLoop:
         self.n = get(cfg, "rollout.n_samples")
         self.max_batch = get(cfg, "rollout.max_batch")
         self.seed = get(cfg, "run.seed")
-        self.sampling = {k: get(cfg, f"rollout.sampling.{k}")
-                         for k in ("max_new_tokens", "temperature", "top_p", "top_k")}
+        self.sampling = {
+            k: get(cfg, f"rollout.sampling.{k}") for k in ("max_new_tokens", "temperature", "top_p", "top_k")
+        }
         self.engine_name = get(cfg, "rollout.engine")
         self.draws = 0
         self.eval_set = eval_set
         self.eval_sampling = dict(self.sampling, temperature=get(cfg, "eval.temperature"))
         self.eval_k = get(cfg, "eval.n_samples")
-        self.eval_wanted: Optional[int] = None  # version the learner asked to evaluate
-        self.eval_run: Optional[EvalRun] = None  # generating; weight pushes wait until it is done
+        self.eval_wanted: int | None = None  # version the learner asked to evaluate
+        self.eval_run: EvalRun | None = None  # generating; weight pushes wait until it is done
         self._last_heartbeat = 0.0
         self._log_interval = get(cfg, "log.interval_s")
         self._last_log = time.monotonic()
@@ -237,7 +220,9 @@ class RolloutLoop:
         self.outbox.flush()
         self._status("bye")
         if os.path.isdir(self.run_dir):  # evidence for the run's books that outlives the learner
-            books.write_exit_report(os.path.join(self.run_dir, books.EXIT_REPORTS), self.server_id, self.book_counters())
+            books.write_exit_report(
+                os.path.join(self.run_dir, books.EXIT_REPORTS), self.server_id, self.book_counters()
+            )
 
     # -- work ---------------------------------------------------------------------------------
 
@@ -250,8 +235,13 @@ class RolloutLoop:
             example = self.dataset.next()
             index = self.draws
             self.draws += 1
-            request = GenRequest(prompt_ids=example.prompt_ids, n=self.n, **self.sampling,
-                                 stop_token_ids=self.stop_ids, seed=self.seed * 1_000_003 + index)
+            request = GenRequest(
+                prompt_ids=example.prompt_ids,
+                n=self.n,
+                **self.sampling,
+                stop_token_ids=self.stop_ids,
+                seed=self.seed * 1_000_003 + index,
+            )
             self.engine.add_request(request, index)
             self.running[index] = Group(f"{self.server_id}-{index}", example, [None] * self.n, self.n)
             self.admission.admit()
@@ -286,12 +276,22 @@ class RolloutLoop:
                 self.counters[key] += 1
         try:
             message = TrajectoryGroup(
-                prompt_id=group.example.id, group_id=group.group_id, server_id=self.server_id,
+                prompt_id=group.example.id,
+                group_id=group.group_id,
+                server_id=self.server_id,
                 prompt_ids=np.asarray(group.example.prompt_ids, dtype=np.int32),
-                samples=tuple(protocol.Sample(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
-                                              reward=r.reward, finish_reason=s.finish_reason,
-                                              reward_details=_details(r))
-                              for s, r in zip(group.samples, rewards)))
+                samples=tuple(
+                    protocol.Sample(
+                        token_ids=s.token_ids,
+                        logprobs=s.logprobs,
+                        versions=s.versions,
+                        reward=r.reward,
+                        finish_reason=s.finish_reason,
+                        reward_details=_details(r),
+                    )
+                    for s, r in zip(group.samples, rewards)
+                ),
+            )
         except ProtocolError as exc:  # an engine output the wire refuses (e.g. a NaN logprob)
             self.counters["bad_groups"] += 1
             log.error("dropped group %s: %s", group.group_id, exc)
@@ -308,11 +308,13 @@ class RolloutLoop:
         if self.eval_set is None:
             return
         for i, prompt in enumerate(self.eval_set.prompt_ids):
-            request = GenRequest(prompt_ids=prompt, n=self.eval_k, **self.eval_sampling,
-                                 stop_token_ids=self.stop_ids, seed=i)
+            request = GenRequest(
+                prompt_ids=prompt, n=self.eval_k, **self.eval_sampling, stop_token_ids=self.stop_ids, seed=i
+            )
             self.engine.add_request(request, EvalPrompt(i))
-        self.eval_run = EvalRun(self.engine.version, [[] for _ in self.eval_set.prompt_ids],
-                                len(self.eval_set) * self.eval_k)
+        self.eval_run = EvalRun(
+            self.engine.version, [[] for _ in self.eval_set.prompt_ids], len(self.eval_set) * self.eval_k
+        )
         log.info("evaluating version %d on %d held-out prompts", self.engine.version, len(self.eval_set))
 
     def _finish_eval(self, i: int, sample: Completion) -> None:
@@ -327,8 +329,12 @@ class RolloutLoop:
     def _report_eval(self, run: EvalRun, rewards: list[RewardResult]) -> None:
         acc = sum(r.reward for r in rewards) / max(1, len(rewards))
         log.info("eval of version %d: avg@%d %.4f over %d prompts", run.version, self.eval_k, acc, len(run.texts))
-        status = Status(type="eval_result", server_id=self.server_id, version=run.version,
-                        counters={"acc": float(acc), "problems": len(run.texts), "k": self.eval_k})
+        status = Status(
+            type="eval_result",
+            server_id=self.server_id,
+            version=run.version,
+            counters={"acc": float(acc), "problems": len(run.texts), "k": self.eval_k},
+        )
         try:
             self.control.send(status, flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -370,8 +376,13 @@ class RolloutLoop:
             return
         self.counters["weight_pushes_applied"] += 1
         self._last_heartbeat = 0.0
-        log.info("applied weights version %d by %s (%d buckets) in %.3f s", ref.version, ref.transport,
-                 len(ref.buckets), time.perf_counter() - started)
+        log.info(
+            "applied weights version %d by %s (%d buckets) in %.3f s",
+            ref.version,
+            ref.transport,
+            len(ref.buckets),
+            time.perf_counter() - started,
+        )
 
     def _reject_push(self, push: WeightPush | WeightRef, why: str) -> None:
         self.counters["weight_pushes_rejected"] += 1
@@ -401,9 +412,16 @@ class RolloutLoop:
         counters = self.book_counters()
         if kind == "hello" and self.replaces_pid:
             counters["replaces_pid"] = self.replaces_pid
-        status = Status(type=kind, server_id=self.server_id, version=self.engine.version,
-                        engine=self.engine_name, quant=self.scheme, running=len(self.running),
-                        queued=self.scorer.pending + len(self.outbox.pending), counters=counters)
+        status = Status(
+            type=kind,
+            server_id=self.server_id,
+            version=self.engine.version,
+            engine=self.engine_name,
+            quant=self.scheme,
+            running=len(self.running),
+            queued=self.scorer.pending + len(self.outbox.pending),
+            counters=counters,
+        )
         try:
             self.control.send(status, flags=zmq.NOBLOCK)
         except zmq.Again:  # the learner is away and the queue is full; the next heartbeat says the same
@@ -416,10 +434,17 @@ class RolloutLoop:
             self._status("heartbeat")
         if now - self._last_log >= self._log_interval:
             dt, c, old = now - self._last_log, self.counters, self._logged
-            log.info("groups/s %.2f tokens/s %.1f version %d running %d queued %d admitted %d of %d granted sent %d",
-                     (c["generated"] - old["generated"]) / dt, (c["tokens"] - old["tokens"]) / dt,
-                     self.engine.version, len(self.running), self.scorer.pending + len(self.outbox.pending),
-                     self.admission.admitted, self.admission.grant, c["sent"])
+            log.info(
+                "groups/s %.2f tokens/s %.1f version %d running %d queued %d admitted %d of %d granted sent %d",
+                (c["generated"] - old["generated"]) / dt,
+                (c["tokens"] - old["tokens"]) / dt,
+                self.engine.version,
+                len(self.running),
+                self.scorer.pending + len(self.outbox.pending),
+                self.admission.admitted,
+                self.admission.grant,
+                c["sent"],
+            )
             self._last_log, self._logged = now, dict(c)
 
     def _wait_idle(self) -> None:

@@ -1,4 +1,5 @@
 """qurl-rollout-server: build the engine, data, rewards and sockets from the config, then run the loop."""
+
 from __future__ import annotations
 
 import contextlib
@@ -7,7 +8,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import zmq
 from omegaconf import DictConfig
@@ -33,7 +34,7 @@ log = logging.getLogger("rollout_server")
 
 
 def replica_index() -> int:
-    """This server's replica index (which GPUs of cluster.rollout_gpus it runs on): qurl-async sets QURL_SERVER_INDEX."""
+    """This server's replica index (which GPUs of cluster.rollout_gpus it runs on), from QURL_SERVER_INDEX."""
     raw = os.environ.get("QURL_SERVER_INDEX", "0")
     if not raw.isdigit():
         raise ValueError(f"QURL_SERVER_INDEX={raw!r} must be this server's replica index: 0, 1, ...")
@@ -48,7 +49,7 @@ def predecessor_pid() -> int:
     return int(raw)
 
 
-def _auto_endpoint(cfg: DictConfig) -> Optional[str]:
+def _auto_endpoint(cfg: DictConfig) -> str | None:
     """One error line when an endpoint was left for the launcher to fill in."""
     for name in ("trajectories", "weights", "control"):
         if get(cfg, f"transport.{name}") == "auto":
@@ -72,8 +73,10 @@ def open_sockets(cfg: DictConfig, server_id: str) -> Sockets:
 def check_vocab(tokenizer_size: int, vocab_size: int, path: str) -> None:
     """A tokenizer with ids past the model's embedding rows belongs to another model: one line, before anything runs."""
     if tokenizer_size > vocab_size:
-        raise ValueError(f"model.path={path!r}: the tokenizer has {tokenizer_size} tokens but the model's vocab_size is "
-                         f"{vocab_size}; the tokenizer and the weights belong to different models")
+        raise ValueError(
+            f"model.path={path!r}: the tokenizer has {tokenizer_size} tokens but the model's vocab_size is "
+            f"{vocab_size}; the tokenizer and the weights belong to different models"
+        )
 
 
 def check_context(max_seq_len: int, model_config: Any, path: str) -> None:
@@ -83,9 +86,11 @@ def check_context(max_seq_len: int, model_config: Any, path: str) -> None:
     if rope.get("rope_type", "") in ("yarn", "dynamic", "linear"):  # these stretch the trained positions
         positions = int(positions * rope.get("factor", 1.0))
     if max_seq_len > positions:
-        raise ValueError(f"rollout.max_seq_len={max_seq_len} exceeds the {positions} positions of the model at "
-                         f"model.path={path!r} (max_position_embeddings in its config.json); lower rollout.max_seq_len "
-                         "(with data.max_prompt_len and rollout.sampling.max_new_tokens)")
+        raise ValueError(
+            f"rollout.max_seq_len={max_seq_len} exceeds the {positions} positions of the model at "
+            f"model.path={path!r} (max_position_embeddings in its config.json); lower rollout.max_seq_len "
+            "(with data.max_prompt_len and rollout.sampling.max_new_tokens)"
+        )
 
 
 def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replica: int = 0) -> RolloutLoop:
@@ -99,42 +104,72 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
     check_context(get(cfg, "rollout.max_seq_len"), model_config, path)
     # a prompt must leave room in the KV cache for a full response
     if get(cfg, "rollout.max_seq_len") <= get(cfg, "rollout.sampling.max_new_tokens"):
-        raise ValueError(f"rollout.max_seq_len={get(cfg, 'rollout.max_seq_len')} leaves no room for a prompt "
-                         f"before rollout.sampling.max_new_tokens={get(cfg, 'rollout.sampling.max_new_tokens')}")
-    dataset = load_prompts(cfg, list(get(cfg, "data.train_files")), tokenizer,
-                           seed=get(cfg, "run.seed") + DATA_SEED_STRIDE * replica, shuffle=get(cfg, "data.shuffle"))
+        raise ValueError(
+            f"rollout.max_seq_len={get(cfg, 'rollout.max_seq_len')} leaves no room for a prompt "
+            f"before rollout.sampling.max_new_tokens={get(cfg, 'rollout.sampling.max_new_tokens')}"
+        )
+    dataset = load_prompts(
+        cfg,
+        list(get(cfg, "data.train_files")),
+        tokenizer,
+        seed=get(cfg, "run.seed") + DATA_SEED_STRIDE * replica,
+        shuffle=get(cfg, "data.shuffle"),
+    )
     scheme = scheme_for(get(cfg, "rollout.quant"), get(cfg, "quant.fp8_granularity"))
     options = {}
     if get(cfg, "rollout.engine") == "sglang":
-        from rollout_server.engines.sglang_engine import placement
+        from rollout_server.engines.sglang_args import placement
 
         options = placement(cfg, replica)
-    engine = load_engine(path, engine=get(cfg, "rollout.engine"), quant=scheme, dtype=get(cfg, "rollout.dtype"),
-                         device=get(cfg, "rollout.device"), max_batch=get(cfg, "rollout.max_batch"),
-                         max_seq_len=get(cfg, "rollout.max_seq_len"), weight_bits=get(cfg, "quant.weight_bits"),
-                         **options)
+    engine = load_engine(
+        path,
+        engine=get(cfg, "rollout.engine"),
+        quant=scheme,
+        dtype=get(cfg, "rollout.dtype"),
+        device=get(cfg, "rollout.device"),
+        max_batch=get(cfg, "rollout.max_batch"),
+        max_seq_len=get(cfg, "rollout.max_seq_len"),
+        weight_bits=get(cfg, "quant.weight_bits"),
+        **options,
+    )
     if hasattr(engine, "close"):
         cleanup.callback(engine.close)
     if get(cfg, "sync.transport") == "nccl":
         log.info("joining the nccl weight group at %s as replica %d", get(cfg, "sync.group_endpoint"), replica)
         join_update_group(engine, cfg, replica)
-    pool = cleanup.enter_context(RewardPool(get(cfg, "reward.name"), workers=get(cfg, "reward.workers"),
-                                            timeout_s=get(cfg, "reward.timeout_s")))
+    pool = cleanup.enter_context(
+        RewardPool(get(cfg, "reward.name"), workers=get(cfg, "reward.workers"), timeout_s=get(cfg, "reward.timeout_s"))
+    )
     sockets = open_sockets(cfg, server_id)
     cleanup.callback(sockets.close)
-    loop = RolloutLoop(cfg, server_id=server_id, engine=engine, scheme=scheme, tokenizer=tokenizer, dataset=dataset,
-                       pool=pool, sockets=sockets, secret=get(cfg, "transport.secret").encode() or None,
-                       admission=Admission(),
-                       stop_ids=stop_token_ids(tokenizer, path),
-                       eval_set=load_eval_set(cfg, tokenizer), replica=replica,
-                       replaces_pid=predecessor_pid())
+    loop = RolloutLoop(
+        cfg,
+        server_id=server_id,
+        engine=engine,
+        scheme=scheme,
+        tokenizer=tokenizer,
+        dataset=dataset,
+        pool=pool,
+        sockets=sockets,
+        secret=get(cfg, "transport.secret").encode() or None,
+        admission=Admission(),
+        stop_ids=stop_token_ids(tokenizer, path),
+        eval_set=load_eval_set(cfg, tokenizer),
+        replica=replica,
+        replaces_pid=predecessor_pid(),
+    )
     cleanup.callback(loop.close)
-    log.info("ready: engine %s quant %s, %d prompts, pushing to %s", get(cfg, "rollout.engine"), scheme,
-             len(dataset), get(cfg, "transport.trajectories"))
+    log.info(
+        "ready: engine %s quant %s, %d prompts, pushing to %s",
+        get(cfg, "rollout.engine"),
+        scheme,
+        len(dataset),
+        get(cfg, "transport.trajectories"),
+    )
     return loop
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     cfg = parse(PROG, argv)
     problem = _auto_endpoint(cfg)
     if problem:
@@ -146,8 +181,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_INPUT
     server_id = f"rollout-{replica}-{os.getpid()}"
-    logging.basicConfig(level=get(cfg, "log.level").upper(), stream=sys.stderr,
-                        format=f"%(asctime)s {server_id} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=get(cfg, "log.level").upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s {server_id} %(levelname)s %(message)s",
+    )
     stop = threading.Event()
     caught: list[int] = []
 

@@ -1,4 +1,5 @@
 """Weight pushes whose bytes travel outside ZeroMQ (sync.transport cuda-ipc / nccl), applied to an SGLang engine."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,7 +26,9 @@ def apply_ref(engine: Any, ref: WeightRef, replica: int) -> None:
         return
     tp = engine.tp_size
     if ref.ranks < (replica + 1) * tp:
-        raise ValueError(f"cuda-ipc push carries {ref.ranks} per-rank payloads; replica {replica} with tp {tp} "
-                         f"needs ranks {replica * tp}..{(replica + 1) * tp - 1}")
+        raise ValueError(
+            f"cuda-ipc push carries {ref.ranks} per-rank payloads; replica {replica} with tp {tp} "
+            f"needs ranks {replica * tp}..{(replica + 1) * tp - 1}"
+        )
     engine.check_metas(ref.buckets)
-    engine.apply_serialized([p[replica * tp:(replica + 1) * tp] for p in ref.payloads], ref.version)
+    engine.apply_serialized([p[replica * tp : (replica + 1) * tp] for p in ref.payloads], ref.version)

@@ -5,11 +5,13 @@ V - 1; otherwise (a push was missed: SUB dropped it, or the server was busy or r
 mismatch the receiver asks the learner for a full push over the control channel, at most every REQUEST_S,
 until one arrives. Meanwhile the engine keeps generating with the last verified version.
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from qurl import delta
 from qurl.frames import ProtocolError
@@ -18,8 +20,7 @@ from qurl.protocol import WeightPush
 log = logging.getLogger("rollout_server")
 
 REQUEST_S = 1.0
-COUNTERS = ("weight_deltas_applied", "weight_checksum_mismatches", "weight_deltas_without_base",
-            "weight_full_requests")
+COUNTERS = ("weight_deltas_applied", "weight_checksum_mismatches", "weight_deltas_without_base", "weight_full_requests")
 
 
 class WeightReceiver:
@@ -62,8 +63,12 @@ class WeightReceiver:
             return self._reject(push, f"scheme {push.scheme!r}, this engine holds {self.scheme!r}")
         if push.mode == "delta" and push.version != self.engine.version + 1:
             self.counters["weight_deltas_without_base"] += 1
-            log.warning("delta push version %d needs version %d, the engine holds %d: asking for a full push",
-                        push.version, push.version - 1, self.engine.version)
+            log.warning(
+                "delta push version %d needs version %d, the engine holds %d: asking for a full push",
+                push.version,
+                push.version - 1,
+                self.engine.version,
+            )
             self.need_full = True
             return False
         started = time.perf_counter()
@@ -71,8 +76,9 @@ class WeightReceiver:
             whole, deltas = delta.split_push(push)
             if push.mode == "full":
                 if push.checksum is not None and delta.checksum(whole) != push.checksum:
-                    raise delta.ChecksumMismatch(f"the full push has {delta.checksum(whole)}, its header says "
-                                                 f"{push.checksum}")
+                    raise delta.ChecksumMismatch(
+                        f"the full push has {delta.checksum(whole)}, its header says {push.checksum}"
+                    )
                 self.engine.update_weights(whole, push.version)
             else:
                 self.engine.apply_delta(whole, deltas, push.version, push.checksum)
@@ -86,8 +92,14 @@ class WeightReceiver:
         self.counters["weight_pushes_applied"] += 1
         self.counters["weight_deltas_applied"] += push.mode == "delta"
         self.need_full = False  # the engine holds a version the learner's checksum vouches for
-        log.info("applied %s weights version %d (%d whole, %d delta tensors) in %.3f s", push.mode, push.version,
-                 len(whole), len(deltas), time.perf_counter() - started)
+        log.info(
+            "applied %s weights version %d (%d whole, %d delta tensors) in %.3f s",
+            push.mode,
+            push.version,
+            len(whole),
+            len(deltas),
+            time.perf_counter() - started,
+        )
         return True
 
     def _reject(self, push: WeightPush, why: str) -> bool:

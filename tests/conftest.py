@@ -60,9 +60,12 @@ def weight_hub():
     ctx = zmq.Context()
     pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=b"k", max_bytes=1 << 20, hwm=4)
     router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=b"k", max_bytes=1 << 20)
-    plane = ControlPlane(transport.Sender(pub, "learner", secret=b"k"),
-                         transport.Receiver(router, secret=b"k", max_bytes=1 << 20, kinds=("status",)),
-                         transport.Sender(router, "learner", secret=b"k"), budget=Budget(0, 1, lambda: (0, {})))
+    plane = ControlPlane(
+        transport.Sender(pub, "learner", secret=b"k"),
+        transport.Receiver(router, secret=b"k", max_bytes=1 << 20, kinds=("status",)),
+        transport.Sender(router, "learner", secret=b"k"),
+        budget=Budget(0, 1, lambda: (0, {})),
+    )
     sender = WeightSender(plane, "fp8-block")
     yield sender, pub.getsockopt(zmq.LAST_ENDPOINT).decode(), ctx
     ctx.destroy(linger=0)

@@ -26,7 +26,7 @@ def chaos(response: str, answer: str) -> float:
     if response.startswith("ALARM "):  # math_verify with its default signal.alarm timeouts
         from math_verify import parse, verify
 
-        return float(verify(parse("$" + answer + "$"), parse(response[len("ALARM "):])))
+        return float(verify(parse("$" + answer + "$"), parse(response[len("ALARM ") :])))
     return math_reward(response, answer)
 
 
@@ -34,7 +34,7 @@ not_callable = 42
 
 
 def flaky(response: str, answer: str) -> float:
-    """A verifier that hangs, crashes, raises or returns NaN for some answers (by their value), else the arith reward."""
+    """A verifier that hangs, crashes, raises or returns NaN for some answers (by value), else the arith reward."""
     from qurl.rewards import arith_reward
 
     key = int(answer) % 10

@@ -1,4 +1,5 @@
-"""Admission control: a server's grant rule, and the learner's global budget (learner/budget.py) against many servers."""
+"""Admission control: a server's grant rule, and the learner's global budget (learner/budget.py) over many servers."""
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -85,9 +86,15 @@ def test_admitting_beyond_the_grant_is_counted():
 
 
 @settings(max_examples=150, deadline=None)
-@given(staleness=st.integers(0, 3), batch=st.integers(1, 5), n_servers=st.integers(1, 4),
-       script=st.lists(st.tuples(st.sampled_from(["beat", "gen", "recv", "drop", "step", "bye", "wait", "kill"]),
-                                 st.integers(0, 3)), max_size=120))
+@given(
+    staleness=st.integers(0, 3),
+    batch=st.integers(1, 5),
+    n_servers=st.integers(1, 4),
+    script=st.lists(
+        st.tuples(st.sampled_from(["beat", "gen", "recv", "drop", "step", "bye", "wait", "kill"]), st.integers(0, 3)),
+        max_size=120,
+    ),
+)
 @example(staleness=0, batch=1, n_servers=2, script=[("beat", 0), ("gen", 0), ("wait", 3), ("beat", 1), ("beat", 0)])
 def test_simulated_servers_never_exceed_the_global_bound(staleness, batch, n_servers, script):
     """Greedy servers against a learner that grants, receives, drops, steps, loses and regains servers."""
@@ -113,8 +120,9 @@ def test_simulated_servers_never_exceed_the_global_bound(staleness, batch, n_ser
             s = servers[sid]
             returned |= sid in budget.expired
             s["weights"] = version if k else s["weights"]  # k = 0: it missed the latest push
-            s["adm"].on_reply(budget.grant(sid, version, s["weights"],
-                                           {"admitted": s["adm"].admitted, "sent": s["sent"]}, now))
+            s["adm"].on_reply(
+                budget.grant(sid, version, s["weights"], {"admitted": s["adm"].admitted, "sent": s["sent"]}, now)
+            )
         elif action == "gen" and sid:
             s = servers[sid]
             n = s["adm"].room()
@@ -141,8 +149,9 @@ def test_simulated_servers_never_exceed_the_global_bound(staleness, batch, n_ser
             now += LIVE_S if k < 3 else SERVER_GONE_S
             budget.expire(now)
         now += 0.01
-        held = books.accepted + sum(s["adm"].admitted - books.received.get(i, 0)
-                                    for i, s in servers.items() if s["alive"])
+        held = books.accepted + sum(
+            s["adm"].admitted - books.received.get(i, 0) for i, s in servers.items() if s["alive"]
+        )
         # the groups accepted or held by live servers fit the bound of the current version
         assert held <= (staleness + version + 1) * batch
     window = budget.take_window(version)

@@ -208,8 +208,9 @@ def test_fully_masked_rows_and_batch_are_nan_free():
             assert torch.isfinite(loss) and torch.isfinite(grad).all()
             assert (grad[~mask] == 0).all()
             assert all(math.isfinite(v) for v in metrics.values())
-            empty, empty_metrics = policy_loss(logp, prox, behav, adv, torch.zeros_like(mask),
-                                               LossSpec(mode=mode, agg=agg))
+            empty, empty_metrics = policy_loss(
+                logp, prox, behav, adv, torch.zeros_like(mask), LossSpec(mode=mode, agg=agg)
+            )
             assert empty.item() == 0.0 and torch.autograd.grad(empty, logp)[0].abs().sum() == 0
             assert all(v == 0.0 for v in empty_metrics.values())
 

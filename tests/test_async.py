@@ -1,4 +1,5 @@
 """qurl-async end to end on the demo model: outputs, on-policy mode, and supervision under faults."""
+
 import json
 import os
 import signal
@@ -13,19 +14,32 @@ from qurl.report import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QURL_ASYNC = os.path.join(os.path.dirname(sys.executable), "qurl-async")
-SMALL = ["train.batch_prompts=4", "rollout.n_samples=4", "eval.max_problems=32", "checkpoint.every=2",
-         "log.interval_s=2", "reward.timeout_s=5"]
+SMALL = [
+    "train.batch_prompts=4",
+    "rollout.n_samples=4",
+    "eval.max_problems=32",
+    "checkpoint.every=2",
+    "log.interval_s=2",
+    "reward.timeout_s=5",
+]
 
 
 def demo_overrides(demo_dir, run_dir, steps):
-    return [f"model.path={demo_dir}/model", f"data.train_files=[{demo_dir}/train.jsonl]",
-            f"data.eval_files=[{demo_dir}/heldout.jsonl]", f"run.dir={run_dir}", f"train.steps={steps}", *SMALL]
+    return [
+        f"model.path={demo_dir}/model",
+        f"data.train_files=[{demo_dir}/train.jsonl]",
+        f"data.eval_files=[{demo_dir}/heldout.jsonl]",
+        f"run.dir={run_dir}",
+        f"train.steps={steps}",
+        *SMALL,
+    ]
 
 
 def start(demo_dir, run_dir, steps, *extra):
     cmd = [QURL_ASYNC, "--config", "configs/demo-cpu.yaml", *demo_overrides(demo_dir, run_dir, steps), *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def finish(proc, timeout=300):
@@ -94,8 +108,10 @@ def test_synchronous_mode_is_on_policy(demo_dir, tmp_path):
     assert len(rows) == 3 and all(r["staleness/max"] == 0 for r in rows)
 
 
-@pytest.mark.parametrize("variant", [["rollout.quant=none", "algo.loss=ppo"], ["algo.loss=decoupled"],
-                                     ["rollout.quant=fp8", "algo.loss=tis"]])
+@pytest.mark.parametrize(
+    "variant",
+    [["rollout.quant=none", "algo.loss=ppo"], ["algo.loss=decoupled"], ["rollout.quant=fp8", "algo.loss=tis"]],
+)
 def test_demo_variants_run(demo_dir, tmp_path, variant):
     """The README's switches: full-precision and FP8 rollout, every loss mode (acr is the default run's)."""
     run_dir = tmp_path / "variant"
@@ -109,7 +125,9 @@ def test_demo_variants_run(demo_dir, tmp_path, variant):
         assert OmegaConf.select(saved, key) == value
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss/policy" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss/policy"] == r["loss/policy"] for r in rows)
-    if "rollout.quant=none" in variant:  # step 1 trains on version-0 samples only: fp32 engine and learner agree to float noise
+    if (
+        "rollout.quant=none" in variant
+    ):  # step 1 trains on version-0 samples only: fp32 engine and learner agree to float noise
         assert rows[0]["staleness/max"] == 0 and rows[0]["mismatch/kl_k3"] < 1e-6, rows[0]
 
 

@@ -1,4 +1,5 @@
 """Config schema: recipes load, bad values stop with exit 2 and one line naming the key."""
+
 import os
 import subprocess
 import sys
@@ -15,8 +16,7 @@ CONFIGS = [os.path.join(ROOT, "configs", f) for f in sorted(os.listdir(os.path.j
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     prog, *rest = args
     script = os.path.join(os.path.dirname(sys.executable), prog)  # the installed console script
-    return subprocess.run([script, *rest], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run([script, *rest], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -34,7 +34,10 @@ def test_recipes_match_the_paper_settings():
     assert (get(dapo, "algo.eps_low"), get(dapo, "algo.eps_high")) == (0.2, 0.28)
     assert get(dapo, "algo.dynamic_sampling") and get(dapo, "algo.overlong.enable")
     assert (get(dapo, "rollout.quant"), get(dapo, "quant.fp8_granularity"), get(dapo, "algo.kl_coef")) == (
-        "fp8", "block", 0.0)
+        "fp8",
+        "block",
+        0.0,
+    )
 
 
 def test_overrides_apply_and_async_is_spelled_async():
@@ -48,31 +51,34 @@ def test_overrides_apply_and_async_is_spelled_async():
     assert reloaded["async"] == {"max_staleness": 0, "wait_timeout_s": 3600.0}
 
 
-@pytest.mark.parametrize("override, key", [
-    ("rollout.quant=int4", "rollout.quant"),
-    ("algo.eps_low=-0.1", "algo.eps_low"),
-    ("algo.eps_high=-1", "algo.eps_high"),
-    ("async.max_staleness=-1", "async.max_staleness"),
-    ("rollout.n_samples=1", "rollout.n_samples"),
-    ("algo.loss=grpo", "algo.loss"),
-    ("train.lr=abc", "train.lr"),
-    ("rollout.bogus=3", "rollout.bogus"),
-    ("bogus.key=3", "bogus"),
-    ("quant.invariant_scaling.s=0", "quant.invariant_scaling.s"),
-    ("quant.invariant_scaling.targets=[qkv,attn]", "quant.invariant_scaling.targets"),
-    ("transport.weights=tcp://0.0.0.0:5000", "transport.weights"),
-    ("transport.control=http://x", "transport.control"),
-    ("reward.name=os.system", "reward.name"),
-    ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
-    ("train.mini_batches=64", "train.mini_batches"),
-    ("sync.full_every=0", "sync.full_every"),
-    ("rollout.engine=sglang", "rollout.dtype"),  # the demo's float32 with a quantized SGLang engine
-    ("train.lr=inf", "train.lr"),
-    ("train.lr=nan", "train.lr"),
-    ("algo.drift_kl_threshold=inf", "algo.drift_kl_threshold"),
-    ("rollout.mem_fraction=nan", "rollout.mem_fraction"),
-    ("data.train_files=a.jsonl", "data.train_files"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("rollout.quant=int4", "rollout.quant"),
+        ("algo.eps_low=-0.1", "algo.eps_low"),
+        ("algo.eps_high=-1", "algo.eps_high"),
+        ("async.max_staleness=-1", "async.max_staleness"),
+        ("rollout.n_samples=1", "rollout.n_samples"),
+        ("algo.loss=grpo", "algo.loss"),
+        ("train.lr=abc", "train.lr"),
+        ("rollout.bogus=3", "rollout.bogus"),
+        ("bogus.key=3", "bogus"),
+        ("quant.invariant_scaling.s=0", "quant.invariant_scaling.s"),
+        ("quant.invariant_scaling.targets=[qkv,attn]", "quant.invariant_scaling.targets"),
+        ("transport.weights=tcp://0.0.0.0:5000", "transport.weights"),
+        ("transport.control=http://x", "transport.control"),
+        ("reward.name=os.system", "reward.name"),
+        ("rollout.sampling.top_p=0", "rollout.sampling.top_p"),
+        ("train.mini_batches=64", "train.mini_batches"),
+        ("sync.full_every=0", "sync.full_every"),
+        ("rollout.engine=sglang", "rollout.dtype"),  # the demo's float32 with a quantized SGLang engine
+        ("train.lr=inf", "train.lr"),
+        ("train.lr=nan", "train.lr"),
+        ("algo.drift_kl_threshold=inf", "algo.drift_kl_threshold"),
+        ("rollout.mem_fraction=nan", "rollout.mem_fraction"),
+        ("data.train_files=a.jsonl", "data.train_files"),
+    ],
+)
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         load_config(os.path.join(ROOT, "configs/demo-cpu.yaml"), [override], check_paths=False)
@@ -117,12 +123,18 @@ def test_cli_print_config_and_exit_codes(prog):
     assert len(lines) == 1 and "rollout.quant" in lines[0] and "none, int8, fp8" in lines[0]
 
 
-@pytest.mark.parametrize("override, key", [
-    ("rollout.quant=int4", "rollout.quant"), ("algo.eps_low=-0.2", "algo.eps_low"),
-    ("async.max_staleness=-1", "async.max_staleness"), ("rollout.n_samples=1", "rollout.n_samples"),
-    ("rollout.quantisation=int8", "rollout.quantisation"), ("train.lr=fast", "train.lr"),
-    ("model.path=/nonexistent/model", "model.path"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("rollout.quant=int4", "rollout.quant"),
+        ("algo.eps_low=-0.2", "algo.eps_low"),
+        ("async.max_staleness=-1", "async.max_staleness"),
+        ("rollout.n_samples=1", "rollout.n_samples"),
+        ("rollout.quantisation=int8", "rollout.quantisation"),
+        ("train.lr=fast", "train.lr"),
+        ("model.path=/nonexistent/model", "model.path"),
+    ],
+)
 def test_qurl_async_refuses_each_bad_override_with_exit_2(override, key):
     bad = run_cli("qurl-async", "--config", "configs/demo-cpu.yaml", override)
     lines = bad.stderr.strip().splitlines()

@@ -92,9 +92,18 @@ def test_missing_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "rows, message",
     [
-        ([{"problem": "a"}, {"problem": "b"}], r"missing column 'answer' \(deepscaler style needs 'problem' and 'answer'\)"),
-        ([{"prompt": [{"role": "user", "content": "a"}], "data_source": "x"}], r"missing column 'reward_model' \(verl style needs 'prompt' and 'reward_model'\)"),
-        ([{"question": "a", "answer": "1"}], r"missing column 'problem' \(DeepScaleR style\) or 'prompt' \(verl style\)"),
+        (
+            [{"problem": "a"}, {"problem": "b"}],
+            r"missing column 'answer' \(deepscaler style needs 'problem' and 'answer'\)",
+        ),
+        (
+            [{"prompt": [{"role": "user", "content": "a"}], "data_source": "x"}],
+            r"missing column 'reward_model' \(verl style needs 'prompt' and 'reward_model'\)",
+        ),
+        (
+            [{"question": "a", "answer": "1"}],
+            r"missing column 'problem' \(DeepScaleR style\) or 'prompt' \(verl style\)",
+        ),
     ],
 )
 def test_missing_column(tmp_path: Path, fmt: str, rows: list, message: str) -> None:
@@ -162,27 +171,33 @@ def test_strict_names_file_and_line(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_LINES)
     with pytest.raises(DatasetError, match=f"^{path}:2: bad JSON"):
         PromptDataset(path, strict=True)
-    pq.write_table(pa.Table.from_pylist([{"problem": "a", "answer": "1"}, {"problem": "b", "answer": None}]),
-                   tmp_path / "p.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"problem": "a", "answer": "1"}, {"problem": "b", "answer": None}]),
+        tmp_path / "p.parquet",
+    )
     with pytest.raises(DatasetError, match=r"p\.parquet row 1: missing field 'answer'$"):
         PromptDataset(tmp_path / "p.parquet", strict=True)
 
 
 def test_nothing_usable(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "all_bad.jsonl", ["{", "{"])
-    with pytest.raises(DatasetError, match=r"no usable prompts \(2 rows, 2 bad, 0 over max_prompt_len\); first bad row: .*:1: bad JSON"):
+    with pytest.raises(
+        DatasetError, match=r"no usable prompts \(2 rows, 2 bad, 0 over max_prompt_len\); first bad row: .*:1: bad JSON"
+    ):
         PromptDataset(path)
 
 
 def test_chat_template_and_instruction(tmp_path: Path, tokenizer: PreTrainedTokenizerFast) -> None:
-    ds = PromptDataset(write_jsonl(tmp_path / "v.jsonl", verl_rows(2)), tokenizer, instruction=BOXED_INSTRUCTION,
-                       shuffle=False)
+    ds = PromptDataset(
+        write_jsonl(tmp_path / "v.jsonl", verl_rows(2)), tokenizer, instruction=BOXED_INSTRUCTION, shuffle=False
+    )
     e = ds[1]
     assert e.messages[0] == {"role": "system", "content": "Be brief."}
     assert e.messages[1]["content"] == "What is 1*3? " + BOXED_INSTRUCTION
     text = tokenizer.decode(e.prompt_ids)
     assert text == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1*3? " + BOXED_INSTRUCTION
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1*3? "
+        + BOXED_INSTRUCTION
         + "<|im_end|>\n<|im_start|>assistant\n"
     )
     assert all(isinstance(t, int) for t in e.prompt_ids)
@@ -235,7 +250,9 @@ def test_cursor_restore_continues_identically(tmp_path: Path, consumed: int) -> 
 
 def test_cursor_refuses_other_dataset(tmp_path: Path) -> None:
     ds = PromptDataset(write_jsonl(tmp_path / "d.jsonl", deepscaler_rows(50)), seed=3)
-    with pytest.raises(DatasetError, match="saved for 40 prompts with seed 3, but this dataset has 50 prompts with seed 3"):
+    with pytest.raises(
+        DatasetError, match="saved for 40 prompts with seed 3, but this dataset has 50 prompts with seed 3"
+    ):
         ds.load_state_dict({"epoch": 0, "position": 1, "seed": 3, "size": 40})
     with pytest.raises(DatasetError, match="out of range"):
         ds.load_state_dict({"epoch": 0, "position": 51, "seed": 3, "size": 50})

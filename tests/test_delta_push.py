@@ -7,6 +7,7 @@ sender honours sync.full_every; the SGLang adapter's host copy forwards exactly 
 real rollout server process against the learner's real WeightSender detects a corrupted delta and a missed
 version, asks for a full push, and is healed by it.
 """
+
 import json
 import os
 import subprocess
@@ -45,8 +46,11 @@ def model_dir(demo_dir) -> str:
 def trajectory(model_dir):
     """scheme -> quantized engine tensors of versions 0..6, the weights moving by STEP per version."""
     names = set(load_engine(model_dir, quant="int8", max_batch=1, max_seq_len=16).weights)
-    state = {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()
-             if k in names}
+    state = {
+        k: v.detach().clone()
+        for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()
+        if k in names
+    }
     gen = torch.Generator().manual_seed(0)
     states = []
     for _ in range(7):
@@ -67,8 +71,12 @@ def delta_of(old: dict, new: dict, version: int, scheme: str = "int8") -> Weight
 
 
 def full_of(tensors: dict, version: int, scheme: str = "int8") -> WeightPush:
-    return WeightPush(version=version, scheme=scheme, checksum=delta.checksum(tensors),
-                      tensors={k: from_torch(v) for k, v in tensors.items()})
+    return WeightPush(
+        version=version,
+        scheme=scheme,
+        checksum=delta.checksum(tensors),
+        tensors={k: from_torch(v) for k, v in tensors.items()},
+    )
 
 
 def nbytes(push: WeightPush) -> int:
@@ -78,7 +86,8 @@ def nbytes(push: WeightPush) -> int:
 def same(a: dict, b: dict) -> bool:
     """Bit-for-bit equality of two named tensor sets (fp8 compared as bytes)."""
     return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and from_torch(a[k]).data.tobytes() == from_torch(b[k]).data.tobytes() for k in a)
+        a[k].dtype == b[k].dtype and from_torch(a[k]).data.tobytes() == from_torch(b[k]).data.tobytes() for k in a
+    )
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8-block"])
@@ -101,7 +110,10 @@ def test_delta_round_trip_equals_the_full_push_bit_for_bit(trajectory, scheme):
     total = sum(v1[k].numel() for k in codes)
     assert 0 < changed / total < 0.2
     assert nbytes(push) < nbytes(full_of(v1, 1, scheme))
-    print(f"{scheme}: {changed / total:.3%} of codes changed; delta {nbytes(push)} B, full {nbytes(full_of(v1, 1, scheme))} B")
+    print(
+        f"{scheme}: {changed / total:.3%} of codes changed; "
+        f"delta {nbytes(push)} B, full {nbytes(full_of(v1, 1, scheme))} B"
+    )
 
 
 def test_engine_after_deltas_equals_engine_after_a_full_push(model_dir, trajectory):
@@ -110,8 +122,12 @@ def test_engine_after_deltas_equals_engine_after_a_full_push(model_dir, trajecto
     b = load_engine(model_dir, quant="int8", max_batch=2, max_seq_len=32)
     ptrs = {k: v.data_ptr() for k, v in a.weights.items()}
     requests = []
-    receiver = WeightReceiver(a, "int8", {"weight_pushes_applied": 0, "weight_pushes_rejected": 0,
-                                          "weight_pushes_ignored": 0}, lambda: requests.append(a.version))
+    receiver = WeightReceiver(
+        a,
+        "int8",
+        {"weight_pushes_applied": 0, "weight_pushes_rejected": 0, "weight_pushes_ignored": 0},
+        lambda: requests.append(a.version),
+    )
     receiver.apply([wire(full_of(versions[1], 1))])
     # out of order and with a repeat: the receiver sorts and applies each version once
     receiver.apply([wire(delta_of(versions[v - 1], versions[v], v)) for v in (3, 2, 4, 2)])
@@ -178,13 +194,17 @@ def _swap_values(frames):
     bucket = bytearray(frames[1])
     e = next(e for e in h["tensors"] if e["name"] == "l.q_proj.weight@idx")
     o = e["offset"]
-    bucket[o:o + 4], bucket[o + 4:o + 8] = bucket[o + 4:o + 8], bucket[o:o + 4]
+    bucket[o : o + 4], bucket[o + 4 : o + 8] = bucket[o + 4 : o + 8], bucket[o : o + 4]
     return rebuild(frames, header=h, payload=[bytes(bucket)])
 
 
 MALFORMED = [
     (_entry("l.q_proj.weight@idx", "shape", [3]), BadFrame, "do not fit"),  # a lying shape
-    (_entry("l.q_proj.weight@idx", "shape", [1], nbytes=4), BadField, "places 1 elements but carries 2"),  # consistent frame, unequal pair
+    (
+        _entry("l.q_proj.weight@idx", "shape", [1], nbytes=4),
+        BadField,
+        "places 1 elements but carries 2",
+    ),  # consistent frame, unequal pair
     (_entry("l.q_proj.weight@idx", "dtype", "float32"), BadField, "int32 or int64"),
     (_entry("l.q_proj.weight@idx", "name", "l.q_proj.weight@index"), BadField, "named X@idx"),
     (_entry("l.q_proj.weight@val", "name", "l.v_proj.weight@val"), BadField, "pair l.q_proj.weight@val is missing"),
@@ -213,8 +233,9 @@ MASK_MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("base, mutate, error, match",
-                         [(_small_delta, *m) for m in MALFORMED] + [(_mask_delta, *m) for m in MASK_MALFORMED])
+@pytest.mark.parametrize(
+    "base, mutate, error, match", [(_small_delta, *m) for m in MALFORMED] + [(_mask_delta, *m) for m in MASK_MALFORMED]
+)
 def test_malformed_delta_frames_are_protocol_errors(base, mutate, error, match):
     """Index and bit-mask deltas alike: every malformation is a ProtocolError naming what is wrong."""
     frames = enc(base())
@@ -239,9 +260,12 @@ def test_sender_honours_full_every(trajectory):
         router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
 
         def sender(full_every: int, scheme: str = "int8") -> WeightSender:
-            plane = ControlPlane(transport.Sender(pub, "learner"),
-                                 transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                                 transport.Sender(router, "learner"), budget=Budget(0, 1, lambda: (0, {})))
+            plane = ControlPlane(
+                transport.Sender(pub, "learner"),
+                transport.Receiver(router, secret=None, max_bytes=1 << 20),
+                transport.Sender(router, "learner"),
+                budget=Budget(0, 1, lambda: (0, {})),
+            )
             return WeightSender(plane, scheme, full_every=full_every)
 
         s = sender(3)
@@ -268,9 +292,12 @@ def test_a_heartbeat_lagging_just_after_a_push_gets_no_full_repush(trajectory):
     try:
         pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
         router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-        plane = ControlPlane(transport.Sender(pub, "learner"),
-                             transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                             transport.Sender(router, "learner"), budget=Budget(0, 1, lambda: (0, {})))
+        plane = ControlPlane(
+            transport.Sender(pub, "learner"),
+            transport.Receiver(router, secret=None, max_bytes=1 << 20),
+            transport.Sender(router, "learner"),
+            budget=Budget(0, 1, lambda: (0, {})),
+        )
         sender = WeightSender(plane, "int8", full_every=10)
         plane.start()
         dealer = transport.connect(ctx, zmq.DEALER, router.last_endpoint.decode(), max_bytes=1 << 20)
@@ -336,21 +363,44 @@ def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, t
     pull = transport.bind(ctx, zmq.PULL, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 26)
     pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20, hwm=4)
     router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-    plane = ControlPlane(transport.Sender(pub, "learner"), transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                         transport.Sender(router, "learner"), budget=Budget(0, 1, lambda: (0, {})))
+    plane = ControlPlane(
+        transport.Sender(pub, "learner"),
+        transport.Receiver(router, secret=None, max_bytes=1 << 20),
+        transport.Sender(router, "learner"),
+        budget=Budget(0, 1, lambda: (0, {})),
+    )
     sender = WeightSender(plane, "int8", full_every=100)
     plane.start()
-    endpoints = [f"transport.{n}={s.last_endpoint.decode()}" for n, s in
-                 (("trajectories", pull), ("weights", pub), ("control", router))]
+    endpoints = [
+        f"transport.{n}={s.last_endpoint.decode()}"
+        for n, s in (("trajectories", pull), ("weights", pub), ("control", router))
+    ]
     demo = Path(demo_dir)
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [SERVER, "--config", str(ROOT / "configs/demo-cpu.yaml"), f"model.path={demo / 'model'}",
-             f"data.train_files=[{demo / 'train.jsonl'}]", "data.eval_files=[]", f"run.dir={tmp_path / 'run'}",
-             "rollout.quant=int8", "train.batch_prompts=1", "async.max_staleness=0", "rollout.n_samples=2",
-             "rollout.sampling.max_new_tokens=4", "reward.workers=1", "log.interval_s=1", *endpoints],
-            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+            [
+                SERVER,
+                "--config",
+                str(ROOT / "configs/demo-cpu.yaml"),
+                f"model.path={demo / 'model'}",
+                f"data.train_files=[{demo / 'train.jsonl'}]",
+                "data.eval_files=[]",
+                f"run.dir={tmp_path / 'run'}",
+                "rollout.quant=int8",
+                "train.batch_prompts=1",
+                "async.max_staleness=0",
+                "rollout.n_samples=2",
+                "rollout.sampling.max_new_tokens=4",
+                "reward.workers=1",
+                "log.interval_s=1",
+                *endpoints,
+            ],
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait(what: str, until, timeout_s: float = 60) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -375,8 +425,11 @@ def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, t
         name = next(iter(deltas))
         values = deltas[name].values.clone()
         values[0] = 127 if values[0] != 127 else -127
-        sender.send(delta.delta_push(4, "int8", whole, {**deltas, name: delta.Delta(deltas[name].indices, values)},
-                                     push.checksum))
+        sender.send(
+            delta.delta_push(
+                4, "int8", whole, {**deltas, name: delta.Delta(deltas[name].indices, values)}, push.checksum
+            )
+        )
         c = wait("the full push after a checksum mismatch", lambda s: s.version == 4)
         assert c["weight_checksum_mismatches"] == 1 and c["weight_full_requests"] >= 1
         assert c["weight_deltas_applied"] == 2 and c["weight_pushes_applied"] == 4
@@ -402,18 +455,26 @@ def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, t
 
 def test_sync_benchmark_quick(tmp_path):
     out = tmp_path / "sync.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks/sync.py"), "--quick", "--out", str(out)], check=True,
-                   cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/sync.py"), "--quick", "--out", str(out)],
+        check=True,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        timeout=300,
+    )
     report = json.loads(out.read_text())
     assert report["benchmark"] == "sync" and {"cpu", "cores", "torch", "python"} <= set(report["machine"])
     summaries = [r for r in report["rows"] if r["kind"] == "summary"]
-    assert {(r["model"], r["s"]) for r in summaries} == {(m, s) for m in ("demo", "qwen2-random-quick")
-                                                         for s in (1.0, 1.5, 2.0)}
+    assert {(r["model"], r["s"]) for r in summaries} == {
+        (m, s) for m in ("demo", "qwen2-random-quick") for s in (1.0, 1.5, 2.0)
+    }
     for r in summaries:
         assert 0 < r["changed_frac"] < 1 and r["full_every"] == 10
         assert min(r["changed_frac_qkv"], r["changed_frac_other"]) <= r["changed_frac"]
         assert r["changed_frac"] <= max(r["changed_frac_qkv"], r["changed_frac_other"])
         assert r["delta_bytes"] < r["full_bytes"]  # codes that barely move cost less as a delta
-    assert set(report["ratios"]) == {f"{m}/s{s}/changed_{p}" for m in ("demo", "qwen2-random-quick")
-                                     for s in ("1.5", "2") for p in ("qkv", "other")}
+    assert set(report["ratios"]) == {
+        f"{m}/s{s}/changed_{p}" for m in ("demo", "qwen2-random-quick") for s in ("1.5", "2") for p in ("qkv", "other")
+    }
     assert {r["hash"] for r in report["rows"] if r["kind"] == "checksum"} >= {"qurl.delta.checksum", "blake2b-128"}

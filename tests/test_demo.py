@@ -18,8 +18,19 @@ from qurl.demo.prepare import Recipe, default_root, greedy_accuracy, main, prepa
 from qurl.demo.tokenizer import CHAT_TEMPLATE, IM_END, IM_START, PAD, save_tokenizer, train_tokenizer
 from qurl.rewards import arith_reward
 
-TINY = Recipe(train_size=256, heldout_size=32, dev_size=16, hidden=32, intermediate=64, layers=1, heads=2,
-              kv_heads=1, batch=16, max_steps=4, eval_every=2)
+TINY = Recipe(
+    train_size=256,
+    heldout_size=32,
+    dev_size=16,
+    hidden=32,
+    intermediate=64,
+    layers=1,
+    heads=2,
+    kv_heads=1,
+    batch=16,
+    max_steps=4,
+    eval_every=2,
+)
 TEXTS = [
     "What is 123+456?",
     "  two  spaces, a tab\tand\n\nnewlines\r\n end ",
@@ -30,8 +41,11 @@ TEXTS = [
 
 
 def _corpus() -> list[str]:
-    return [f"{IM_START}user\n{e.problem}{IM_END}\n{IM_START}assistant\n{e.response}{IM_END}\n"
-            for t in tasks.TASKS for e in tasks.make_split(t, "train", 200, 0)]
+    return [
+        f"{IM_START}user\n{e.problem}{IM_END}\n{IM_START}assistant\n{e.response}{IM_END}\n"
+        for t in tasks.TASKS
+        for e in tasks.make_split(t, "train", 200, 0)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +53,14 @@ def hf_tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tokenizer folder next to a qwen2 config, the way a model folder holds it."""
     folder = tmp_path_factory.mktemp("tok")
     save_tokenizer(train_tokenizer(_corpus()), folder)
-    Qwen2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1).save_pretrained(folder)
+    Qwen2Config(
+        vocab_size=400,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ).save_pretrained(folder)
     return folder
 
 
@@ -107,7 +127,7 @@ def test_examples_and_gold_answers() -> None:
     assert ex.problem == "What is 12+34+56+78?"
     assert ex.response == "12+34=46\n46+56=102\n102+78=180\n180" and ex.answer == "180"
     for ex in tasks.make_split("sum-steps", "train", 200, 3):
-        terms = [int(x) for x in ex.problem[len("What is "):-1].split("+")]
+        terms = [int(x) for x in ex.problem[len("What is ") : -1].split("+")]
         lines = ex.response.splitlines()
         partial = terms[0]
         for line, x in zip(lines[:-1], terms[1:]):
@@ -126,8 +146,14 @@ def test_tiny_prepare_layout_loads_caches_and_rebuilds(tmp_path: Path) -> None:
     root = tmp_path / "demo"
     info = prepare(root, TINY, threads=1, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no temp folder left behind
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "chat_template.jinja"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
         assert (root / "model" / name).is_file(), name
     for name, size, split in (("train.jsonl", 256, "train"), ("heldout.jsonl", 32, "heldout")):
         rows = [json.loads(line) for line in (root / name).read_text().splitlines()]
@@ -165,8 +191,11 @@ def test_default_root_and_cli_errors(monkeypatch: pytest.MonkeyPatch, capsys: py
     monkeypatch.setenv("QURL_DEMO_DIR", "/x/demo")
     assert default_root("add") == Path("/x/demo")
     assert default_root("sum-steps") == Path("/x/demo-sum-steps")
-    for argv, word in ((["--max-steps", "0"], "--max-steps"), (["--task", "mul"], "--task"),
-                       (["--target-acc", "2"], "--target-acc")):
+    for argv, word in (
+        (["--max-steps", "0"], "--max-steps"),
+        (["--task", "mul"], "--task"),
+        (["--target-acc", "2"], "--target-acc"),
+    ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2
@@ -210,8 +239,10 @@ def test_sum_steps_prepare_runs(tmp_path: Path) -> None:
 
 
 def test_cached_cli_answers_without_importing_torch(demo_dir: Path) -> None:
-    code = ("import sys; from qurl.demo.prepare import main; main(['--out', sys.argv[1]]); "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    code = (
+        "import sys; from qurl.demo.prepare import main; main(['--out', sys.argv[1]]); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(demo_dir)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "(cached)" in out.stdout and "base greedy held-out accuracy" in out.stdout

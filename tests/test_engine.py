@@ -3,6 +3,7 @@ in-place weight updates, sharded loading and error messages.
 
 QURL_TEST_DEVICE=cuda runs the same checks on a GPU.
 """
+
 import json
 import os
 
@@ -16,11 +17,26 @@ from rollout_server.engines.sampling import sample
 from rollout_server.engines.torch_engine import TorchEngine
 
 DEVICE = os.environ.get("QURL_TEST_DEVICE", "cpu")
-SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=96, vocab_size=101, max_position_embeddings=128, bos_token_id=None,
-             eos_token_id=None, pad_token_id=None)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+SMALL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=101,
+    max_position_embeddings=128,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 FAMILIES = {
     "qwen2": lambda: Qwen2Config(**SMALL, tie_word_embeddings=True),  # q/k/v biases, tied lm_head
     "llama": lambda: LlamaConfig(**SMALL, tie_word_embeddings=False),
@@ -61,9 +77,14 @@ def teacher_forced(model, prompt, tokens, temperature=1.0):
 
 
 def hf_greedy(model, prompt, max_new_tokens):
-    out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt], device=DEVICE),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_fp32_parity_with_transformers_under_continuous_batching(family_model):

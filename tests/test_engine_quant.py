@@ -1,8 +1,10 @@
 """Engine with INT8 / FP8 linears: parity with a transformers forward on the same fake-quantized weights and
 activations, the linear kernels against plain math, and in-place updates of quantized buffers."""
+
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_engine import DEVICE, PROMPTS, build_model, teacher_forced
 
 from qurl.quant import (
     dequantize_fp8,
@@ -14,7 +16,6 @@ from qurl.quant import (
 )
 from rollout_server.engines import GenRequest, load_engine
 from rollout_server.engines.linear import LINEARS, Int8Linear, int8_matmul
-from test_engine import DEVICE, PROMPTS, build_model, teacher_forced
 
 SCHEMES = ("int8", "fp8-channel", "fp8-block")
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -43,7 +44,9 @@ def fp64_norms(hf):
     """HF's RMSNorm always computes in fp32; the fp64 reference computes it in fp64 like the fp64 engine."""
     for m in hf.modules():
         if type(m).__name__.endswith("RMSNorm"):
-            m.forward = lambda h, m=m: m.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon))
+            m.forward = lambda h, m=m: (
+                m.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon))
+            )
     return hf
 
 

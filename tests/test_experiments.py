@@ -1,4 +1,5 @@
 """Experiment tooling (issue 9): the quant.weight_bits stress knob end to end, and the resumable ablation driver."""
+
 import json
 import os
 import subprocess
@@ -39,8 +40,12 @@ def test_weight_bits_config_check(demo_dir):
     paths = [f"model.path={demo_dir}/model", f"data.train_files=[{demo_dir}/train.jsonl]"]
     assert load_config(None, [*paths, "rollout.quant=int8", "quant.weight_bits=4"]).quant.weight_bits == 4
     assert load_config(None, paths).quant.weight_bits == 8
-    for bad in (["rollout.quant=fp8", "quant.weight_bits=4"], ["rollout.quant=none", "quant.weight_bits=6"],
-                ["rollout.quant=int8", "quant.weight_bits=3"], ["rollout.quant=int8", "quant.weight_bits=9"]):
+    for bad in (
+        ["rollout.quant=fp8", "quant.weight_bits=4"],
+        ["rollout.quant=none", "quant.weight_bits=6"],
+        ["rollout.quant=int8", "quant.weight_bits=3"],
+        ["rollout.quant=int8", "quant.weight_bits=9"],
+    ):
         with pytest.raises(ConfigError, match="quant.weight_bits=.* is not allowed"):
             load_config(None, [*paths, *bad])
 
@@ -66,17 +71,29 @@ def test_step1_mismatch_is_larger_at_4_bits(demo_dir, tmp_path):
     """A real measured difference: behaviour logprobs of the 4-bit engine disagree more with the fp learner."""
     procs = {}
     for bits in (4, 8):
-        cmd = [QURL_ASYNC, "--config", "configs/demo-cpu.yaml", f"model.path={demo_dir}/model",
-               f"data.train_files=[{demo_dir}/train.jsonl]", f"data.eval_files=[{demo_dir}/heldout.jsonl]",
-               f"run.dir={tmp_path / str(bits)}", "train.steps=1", "quant.invariant_scaling.s=1.0",
-               f"quant.weight_bits={bits}", *SMALL]
+        cmd = [
+            QURL_ASYNC,
+            "--config",
+            "configs/demo-cpu.yaml",
+            f"model.path={demo_dir}/model",
+            f"data.train_files=[{demo_dir}/train.jsonl]",
+            f"data.eval_files=[{demo_dir}/heldout.jsonl]",
+            f"run.dir={tmp_path / str(bits)}",
+            "train.steps=1",
+            "quant.invariant_scaling.s=1.0",
+            f"quant.weight_bits={bits}",
+            *SMALL,
+        ]
         procs[bits] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     kl = {}
     for bits, proc in procs.items():
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out
-        row = next(r for r in read_metrics(tmp_path / str(bits) / "metrics.jsonl") if r.get("step") == 1
-                   and "mismatch/kl_k3" in r)
+        row = next(
+            r
+            for r in read_metrics(tmp_path / str(bits) / "metrics.jsonl")
+            if r.get("step") == 1 and "mismatch/kl_k3" in r
+        )
         assert row["staleness/max"] == 0  # step 1 trains on version-0 samples: pure quantization mismatch
         kl[bits] = row["mismatch/kl_k3"]
     print("step-1 mismatch/kl_k3 by weight bits:", kl)
@@ -170,11 +187,19 @@ def test_summary_tables_present_results_and_names_missing_ones(tmp_path):
     import summary
 
     rows = [{"engine": "torch", "dtype": "int8", "tokens_per_s": 1234.5678, "repeats": 3, "detail": {"x": 1}}]
-    (tmp_path / "rollout_throughput.json").write_text(json.dumps(
-        {"benchmark": "rollout_throughput", "machine": {"cpu": "TestCPU", "cores": 2}, "rows": rows}))
-    (tmp_path / "pipeline.json").write_text(json.dumps(
-        {"benchmark": "pipeline", "machine": {"cpu": "TestCPU"}, "rows": [{"quant": "int8", "max_staleness": 1}],
-         "ratios": {"async_over_sync": {"int8/staleness1": 1.4}}}))
+    (tmp_path / "rollout_throughput.json").write_text(
+        json.dumps({"benchmark": "rollout_throughput", "machine": {"cpu": "TestCPU", "cores": 2}, "rows": rows})
+    )
+    (tmp_path / "pipeline.json").write_text(
+        json.dumps(
+            {
+                "benchmark": "pipeline",
+                "machine": {"cpu": "TestCPU"},
+                "rows": [{"quant": "int8", "max_staleness": 1}],
+                "ratios": {"async_over_sync": {"int8/staleness1": 1.4}},
+            }
+        )
+    )
     out = tmp_path / "RESULTS.md"
     assert summary.main(["--results", str(tmp_path), "--out", str(out)]) == 0
     text = out.read_text()

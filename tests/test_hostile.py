@@ -2,6 +2,7 @@
 launcher on a live run, non-finite settings and weights, damaged checkpoints, start-up errors that would recur,
 and what the console must say. Each refusal is one line and a documented exit code (qurl/cli.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_async import QURL_ASYNC, ROOT, demo_overrides, finish, start, wait_for_step
 
 from qurl.report import read_metrics
-from test_async import QURL_ASYNC, ROOT, demo_overrides, finish, start, wait_for_step
 
 EXIT_INPUT, EXIT_DIVERGED = 2, 3
 
@@ -46,8 +47,11 @@ def flip_byte(path: Path, at: int = -100) -> None:
 
 def snapshot(run_dir: Path) -> dict[str, str]:
     """Hash of every file in the run folder but the lock file and logs: what "touches nothing" compares."""
-    return {str(p.relative_to(run_dir)): digest(p) for p in sorted(run_dir.rglob("*"))
-            if p.is_file() and p.name != ".qurl-lock" and "logs" not in p.parts}
+    return {
+        str(p.relative_to(run_dir)): digest(p)
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name != ".qurl-lock" and "logs" not in p.parts
+    }
 
 
 # -- two launchers, one run folder ---------------------------------------------------------------------------------
@@ -80,12 +84,25 @@ def test_a_second_launcher_on_a_live_run_is_refused_and_a_crashed_run_still_resu
 # -- non-finite settings and weights, damaged checkpoints ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("override, key", [("train.lr=inf", "train.lr"), ("algo.eps_high=nan", "algo.eps_high"),
-                                           ("reward.timeout_s=-inf", "reward.timeout_s")])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lr=inf", "train.lr"),
+        ("algo.eps_high=nan", "algo.eps_high"),
+        ("reward.timeout_s=-inf", "reward.timeout_s"),
+    ],
+)
 def test_a_non_finite_setting_is_a_config_error(demo_dir, tmp_path, override, key):
-    code, out = finish(subprocess.Popen([QURL_ASYNC, "--config", "configs/demo-cpu.yaml",
-                                         *demo_overrides(demo_dir, tmp_path / "r", 2), override], cwd=ROOT,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), timeout=60)
+    code, out = finish(
+        subprocess.Popen(
+            [QURL_ASYNC, "--config", "configs/demo-cpu.yaml", *demo_overrides(demo_dir, tmp_path / "r", 2), override],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
+        timeout=60,
+    )
     line = refusal(out)
     assert code == EXIT_INPUT and f"{key}=" in line and "not a finite number" in line, out
     assert not (tmp_path / "r").exists()
@@ -159,33 +176,61 @@ def _file(tmp_path: Path, name: str, data: bytes) -> Path:
 
 
 START_ERRORS = {  # name: (overrides given the demo folder and tmp_path, words the one line must hold)
-    "empty data file": (lambda d, t: [f"data.train_files=[{_file(t, 'e.jsonl', b'')}]"],
-                        ["data.train_files", "e.jsonl", "is empty"]),
-    "binary data file": (lambda d, t: [f"data.train_files=[{_file(t, 'b.jsonl', bytes(range(256)) * 4)}]"],
-                         ["data.train_files", "no usable rows", "b.jsonl:1"]),
-    "missing column": (lambda d, t: [f"data.train_files=[{_file(t, 'c.jsonl', json.dumps({'question': '1+1'}).encode())}]"],
-                       ["data.train_files", "c.jsonl", "missing column 'problem'"]),
-    "train_files as a string": (lambda d, t: [f"data.train_files={d}/train.jsonl"],
-                                ["data.train_files", "must be a list", "data.train_files=["]),
-    "reward module": (lambda d, t: ["reward.name=no_such_module:score"],
-                      ["reward.name", "no_such_module", "ModuleNotFoundError"]),
+    "empty data file": (
+        lambda d, t: [f"data.train_files=[{_file(t, 'e.jsonl', b'')}]"],
+        ["data.train_files", "e.jsonl", "is empty"],
+    ),
+    "binary data file": (
+        lambda d, t: [f"data.train_files=[{_file(t, 'b.jsonl', bytes(range(256)) * 4)}]"],
+        ["data.train_files", "no usable rows", "b.jsonl:1"],
+    ),
+    "missing column": (
+        lambda d, t: [f"data.train_files=[{_file(t, 'c.jsonl', json.dumps({'question': '1+1'}).encode())}]"],
+        ["data.train_files", "c.jsonl", "missing column 'problem'"],
+    ),
+    "train_files as a string": (
+        lambda d, t: [f"data.train_files={d}/train.jsonl"],
+        ["data.train_files", "must be a list", "data.train_files=["],
+    ),
+    "reward module": (
+        lambda d, t: ["reward.name=no_such_module:score"],
+        ["reward.name", "no_such_module", "ModuleNotFoundError"],
+    ),
     "cuda device": (lambda d, t: ["rollout.device=cuda"], ["rollout.device='cuda'", "no CUDA device"]),
-    "no tokenizer": (lambda d, t: [f"model.path={_model_without(d, t, ('tokenizer*', 'chat_template*'))}"],
-                     ["model.path=", "no tokenizer files"]),
-    "truncated weights": (lambda d, t: [f"model.path={_truncated_model(d, t)}"],
-                          ["model.path", "model.safetensors is truncated"]),
+    "no tokenizer": (
+        lambda d, t: [f"model.path={_model_without(d, t, ('tokenizer*', 'chat_template*'))}"],
+        ["model.path=", "no tokenizer files"],
+    ),
+    "truncated weights": (
+        lambda d, t: [f"model.path={_truncated_model(d, t)}"],
+        ["model.path", "model.safetensors is truncated"],
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(START_ERRORS))
-def test_a_start_up_error_that_would_recur_fails_once_in_one_line_before_the_folder_is_claimed(demo_dir, tmp_path, case):
+def test_a_start_up_error_that_would_recur_fails_once_in_one_line_before_the_folder_is_claimed(
+    demo_dir, tmp_path, case
+):
     overrides, words = START_ERRORS[case]
     run_dir = tmp_path / "run"
     started = time.time()
-    code, out = finish(subprocess.Popen([QURL_ASYNC, "--config", "configs/demo-cpu.yaml",
-                                         *demo_overrides(demo_dir, run_dir, 2), *overrides(Path(demo_dir), tmp_path)],
-                                        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-                       timeout=60)
+    code, out = finish(
+        subprocess.Popen(
+            [
+                QURL_ASYNC,
+                "--config",
+                "configs/demo-cpu.yaml",
+                *demo_overrides(demo_dir, run_dir, 2),
+                *overrides(Path(demo_dir), tmp_path),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
+        timeout=60,
+    )
     line = refusal(out)
     assert code == EXIT_INPUT and time.time() - started < 30, out
     assert all(w in line for w in words), line
@@ -196,19 +241,25 @@ def test_a_start_up_error_that_would_recur_fails_once_in_one_line_before_the_fol
 def test_a_yaml_syntax_error_names_its_line_and_column(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  lr: 1e-4\n steps: [\n")
-    code, out = finish(subprocess.Popen([QURL_ASYNC, "--config", str(bad)], cwd=ROOT, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True), timeout=60)
+    code, out = finish(
+        subprocess.Popen(
+            [QURL_ASYNC, "--config", str(bad)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ),
+        timeout=60,
+    )
     line = refusal(out)
     assert code == EXIT_INPUT and f"{bad}:3:2: not valid YAML" in line, line
     print(f"yaml (exit {code}): {line}")
 
 
-def test_a_server_that_cannot_start_is_not_restarted_names_the_key_and_leaves_a_folder_that_runs_when_fixed(demo_dir,
-                                                                                                         tmp_path):
+def test_a_server_that_cannot_start_is_not_restarted_names_the_key_and_leaves_a_folder_that_runs_when_fixed(
+    demo_dir, tmp_path
+):
     """rollout.max_seq_len below the prompts: found only once the tokenizer runs, in the server; no restarts."""
     run_dir = tmp_path / "seq"
-    code, out = launch(demo_dir, run_dir, 2, "rollout.max_seq_len=16", "data.eval_files=[]", "run.max_restarts=3",
-                       timeout=120)
+    code, out = launch(
+        demo_dir, run_dir, 2, "rollout.max_seq_len=16", "data.eval_files=[]", "run.max_restarts=3", timeout=120
+    )
     assert code == EXIT_INPUT, out
     line = next(line for line in out.splitlines() if "cannot start" in line)
     assert "rollout-0 cannot start (exit 2)" in line and "rollout.max_seq_len=16 leaves 8 tokens" in line, line
@@ -227,14 +278,23 @@ def test_a_server_that_cannot_start_is_not_restarted_names_the_key_and_leaves_a_
 # -- what matters reaches the console and summary.json -------------------------------------------------------------
 
 
-def test_bad_rows_a_resume_from_scratch_and_a_reward_without_signal_are_said_on_the_console(demo_dir, tmp_path,
-                                                                                             monkeypatch):
+def test_bad_rows_a_resume_from_scratch_and_a_reward_without_signal_are_said_on_the_console(
+    demo_dir, tmp_path, monkeypatch
+):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(ROOT) / "tests"), os.environ.get("PYTHONPATH", "")]))
     data = tmp_path / "train.jsonl"
-    data.write_text((Path(demo_dir) / "train.jsonl").read_text() + "not json\n{\"problem\": \"x\"}\n")
+    data.write_text((Path(demo_dir) / "train.jsonl").read_text() + 'not json\n{"problem": "x"}\n')
     run_dir = tmp_path / "quiet"
-    code, out = launch(demo_dir, run_dir, 10, f"data.train_files=[{data}]", "reward.name=reward_fns:constant",
-                       "run.resume=true", "data.eval_files=[]", "checkpoint.every=0")
+    code, out = launch(
+        demo_dir,
+        run_dir,
+        10,
+        f"data.train_files=[{data}]",
+        "reward.name=reward_fns:constant",
+        "run.resume=true",
+        "data.eval_files=[]",
+        "checkpoint.every=0",
+    )
     assert code == 0, out
     assert "skipped 2 of" in out and "bad JSON at column 1" in out, out
     assert "holds no checkpoint; starting from model.path (step 0)" in out, out
@@ -250,8 +310,10 @@ def test_the_progress_bar_keeps_the_reward_under_an_eval_row_and_never_runs_back
     from qurl.launcher import ProgressBar
 
     path = tmp_path / "metrics.jsonl"
-    rows = [{"step": 4, "reward/mean": 0.5, "loss/policy": 0.1, "version": 4},
-            {"step": 4, "eval/acc_fp": 0.3, "eval/version": 4}]
+    rows = [
+        {"step": 4, "reward/mean": 0.5, "loss/policy": 0.1, "version": 4},
+        {"step": 4, "eval/acc_fp": 0.3, "eval/version": 4},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     bar = ProgressBar(10, str(path), start=4)  # resumed at step 4
     try:

@@ -4,6 +4,7 @@ generations, pushes int8 weights (late joiners included), equals a 1-rank step, 
 The test plays the rollout server's part with real sockets: it generates groups with the embedded engine,
 PUSHes them, SUBscribes to the weights and says hello on the control channel.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,7 +48,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def batches(demo_dir) -> list[list[TrajectoryGroup]]:
-    """Two batches of groups sampled by the int8 engine from the demo model, the first two of each with reward variance."""
+    """Two batches of groups the int8 engine sampled from the demo model, the first two of each with reward variance."""
     from transformers import AutoTokenizer
 
     from rollout_server.engines import GenRequest, load_engine
@@ -56,16 +57,41 @@ def batches(demo_dir) -> list[list[TrajectoryGroup]]:
     tok = AutoTokenizer.from_pretrained(model)
     examples = PromptDataset(os.path.join(demo_dir, "train.jsonl"), tok, seed=0).take(12)
     engine = load_engine(model, quant="int8", max_batch=64, max_seq_len=64)
-    results = engine.generate([GenRequest(prompt_ids=e.prompt_ids, n=N, max_new_tokens=8, temperature=1.0,
-                                          stop_token_ids=[tok.eos_token_id], seed=i) for i, e in enumerate(examples)])
+    results = engine.generate(
+        [
+            GenRequest(
+                prompt_ids=e.prompt_ids,
+                n=N,
+                max_new_tokens=8,
+                temperature=1.0,
+                stop_token_ids=[tok.eos_token_id],
+                seed=i,
+            )
+            for i, e in enumerate(examples)
+        ]
+    )
     groups = []
     for i, (e, r) in enumerate(zip(examples, results)):
         texts = tok.batch_decode([s.token_ids for s in r.samples], skip_special_tokens=True)
-        samples = tuple(Sample(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
-                               reward=digit_reward(t, e.answer), finish_reason=s.finish_reason)
-                        for s, t in zip(r.samples, texts))
-        groups.append(TrajectoryGroup(prompt_id=e.id, group_id=f"g{i}", server_id=SERVER_ID,
-                                      prompt_ids=np.asarray(e.prompt_ids, dtype=np.int32), samples=samples))
+        samples = tuple(
+            Sample(
+                token_ids=s.token_ids,
+                logprobs=s.logprobs,
+                versions=s.versions,
+                reward=digit_reward(t, e.answer),
+                finish_reason=s.finish_reason,
+            )
+            for s, t in zip(r.samples, texts)
+        )
+        groups.append(
+            TrajectoryGroup(
+                prompt_id=e.id,
+                group_id=f"g{i}",
+                server_id=SERVER_ID,
+                prompt_ids=np.asarray(e.prompt_ids, dtype=np.int32),
+                samples=samples,
+            )
+        )
     mixed = [g for g in groups if len({s.reward for s in g.samples}) > 1]
     rest = [g for g in groups if g not in mixed]
     assert len(mixed) >= 4, "sampled responses should differ in how many digits they get right"
@@ -77,10 +103,15 @@ class Peer:
 
     def __init__(self, endpoints: dict[str, str], server_id: str = SERVER_ID) -> None:
         self.ctx = zmq.Context()
-        self.push = transport.Sender(transport.connect(self.ctx, zmq.PUSH, endpoints["trajectories"], max_bytes=1 << 20),
-                                     server_id)
-        self.sub = transport.Receiver(transport.connect(self.ctx, zmq.SUB, endpoints["weights"], max_bytes=1 << 30),
-                                      secret=None, max_bytes=1 << 30, kinds=("weight_push",))
+        self.push = transport.Sender(
+            transport.connect(self.ctx, zmq.PUSH, endpoints["trajectories"], max_bytes=1 << 20), server_id
+        )
+        self.sub = transport.Receiver(
+            transport.connect(self.ctx, zmq.SUB, endpoints["weights"], max_bytes=1 << 30),
+            secret=None,
+            max_bytes=1 << 30,
+            kinds=("weight_push",),
+        )
         dealer = transport.connect(self.ctx, zmq.DEALER, endpoints["control"], max_bytes=1 << 20)
         self.control = transport.Sender(dealer, server_id)
         self.replies = transport.Receiver(dealer, secret=None, max_bytes=1 << 20, kinds=("status",))
@@ -148,8 +179,13 @@ def write_config(tmp: str, demo_dir: str, name: str, **extra) -> tuple[str, dict
 def start(config: str, *overrides: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log = open(config + ".log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "learner.main", "--config", config, *overrides],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "learner.main", "--config", config, *overrides],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def finish(proc: subprocess.Popen, config: str) -> None:
@@ -182,8 +218,13 @@ def run_learner(tmp: str, demo_dir: str, batches, name: str, ranks: int) -> dict
         if proc.poll() is None:
             proc.kill()
         peer.close()
-    return {"dir": os.path.join(tmp, name), "first_reply": first_reply, "push1": push1, "push2": push2,
-            "late_push": late_push}
+    return {
+        "dir": os.path.join(tmp, name),
+        "first_reply": first_reply,
+        "push1": push1,
+        "push2": push2,
+        "late_push": late_push,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +298,9 @@ def test_one_and_two_ranks_take_the_same_step(one_rank, two_ranks, demo_dir):
     one, two, start = ckpt(one_rank, 1), ckpt(two_ranks, 1), scaled_start(demo_dir)
     assert set(one) == set(two) == set(start) - {"lm_head.weight"}
     moved = max((one[k] - start[k]).abs().max().item() for k in one)
-    assert moved > 5e-5  # the step did something (Adam moves weights by about lr = 1e-4), so the comparison means something
+    assert (
+        moved > 5e-5
+    )  # the step did something (Adam moves weights by about lr = 1e-4), so the comparison means something
     for k in one:
         torch.testing.assert_close(one[k], two[k], rtol=0, atol=1e-5, msg=k)
     # Adam and clipping hide a gradient off by the rank count; the logged pre-clip norm and loss do not
@@ -314,10 +357,17 @@ def test_resume_continues_exactly(tmp_path, demo_dir, batches, one_rank):
     assert [r["step"] for r in metrics({"dir": run_dir})] == [1, 2]
 
     # a fresh start into a folder that holds a run would mix two runs: refused with one line
-    again = subprocess.run([sys.executable, "-m", "learner.main", "--config", config], cwd=ROOT,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=TIMEOUT_S)
+    again = subprocess.run(
+        [sys.executable, "-m", "learner.main", "--config", config],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].endswith(  # EXIT_INPUT: not restarted
-        "already holds a run; pass run.resume=true to continue it, or choose another run.dir")
+        "already holds a run; pass run.resume=true to continue it, or choose another run.dir"
+    )
 
 
 def test_hf_export_is_function_equal_to_the_scaled_learner(two_ranks, demo_dir):
@@ -421,11 +471,22 @@ def test_bf16_mixed_precision_with_gradient_checkpointing_trains_fp32_masters(in
 
 
 def toy_group(gid: str, rewards: list[float], version: int = 0, token: int = 5) -> TrajectoryGroup:
-    return TrajectoryGroup(prompt_id=gid, group_id=gid, server_id=SERVER_ID, prompt_ids=np.array([1, 2], np.int32),
-                           samples=tuple(Sample(token_ids=np.array([token, 6], np.int32),
-                                                logprobs=np.array([-0.5, -0.1], np.float32),
-                                                versions=np.array([version, version], np.int32),
-                                                reward=r, finish_reason="stop") for r in rewards))
+    return TrajectoryGroup(
+        prompt_id=gid,
+        group_id=gid,
+        server_id=SERVER_ID,
+        prompt_ids=np.array([1, 2], np.int32),
+        samples=tuple(
+            Sample(
+                token_ids=np.array([token, 6], np.int32),
+                logprobs=np.array([-0.5, -0.1], np.float32),
+                versions=np.array([version, version], np.int32),
+                reward=r,
+                finish_reason="stop",
+            )
+            for r in rewards
+        ),
+    )
 
 
 def test_buffer_counts_every_group_it_does_not_use():
@@ -435,11 +496,20 @@ def test_buffer_counts_every_group_it_does_not_use():
     try:
         pull = transport.bind(ctx, zmq.PULL, "inproc://buffer", secret=None, max_bytes=1 << 20)
         push = transport.Sender(transport.connect(ctx, zmq.PUSH, "inproc://buffer", max_bytes=1 << 20), SERVER_ID)
-        buffer = TrajectoryBuffer(transport.Receiver(pull, secret=None, max_bytes=1 << 20), batch_prompts=2,
-                                  max_staleness=1, dynamic_sampling=True, vocab_size=100)
-        for g in (toy_group("old", [0, 1], version=0), toy_group("flat", [1, 1], version=2),
-                  toy_group("alien", [0, 1], version=2, token=100), toy_group("a", [0, 1], version=2),
-                  toy_group("future", [0, 1], version=3)):
+        buffer = TrajectoryBuffer(
+            transport.Receiver(pull, secret=None, max_bytes=1 << 20),
+            batch_prompts=2,
+            max_staleness=1,
+            dynamic_sampling=True,
+            vocab_size=100,
+        )
+        for g in (
+            toy_group("old", [0, 1], version=0),
+            toy_group("flat", [1, 1], version=2),
+            toy_group("alien", [0, 1], version=2, token=100),
+            toy_group("a", [0, 1], version=2),
+            toy_group("future", [0, 1], version=3),
+        ):
             push.send(g)
         push.sock.send_multipart([b"not a message"])
         time.sleep(0.1)
@@ -494,8 +564,13 @@ def test_resume_skips_corrupt_and_foreign_checkpoints_with_one_line_each(one_ran
 @pytest.mark.slow
 def test_learner_step_benchmark_quick(tmp_path):
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "learner_step.py"), "--quick", "--out", str(out)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=900)
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "learner_step.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
     result = json.loads(out.read_text())
     assert result["benchmark"] == "learner_step" and set(result["machine"]) >= {"cpu", "cores", "torch", "python"}
     rows = result["rows"]

@@ -3,6 +3,7 @@
 Its update must equal the same step written out by hand on a plain (unsharded) copy of the model: one mini-batch,
 the forward's own logprobs as the proximal policy, policy_loss, gradient clipping, one AdamW step.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,9 +41,15 @@ def hand_built_batch() -> Batch:
     total_len = torch.tensor([12, 20, 15, 9, 18, 11, 20, 13])
     behav = torch.zeros(n, length)
     for i in range(n):
-        behav[i, prompt_len[i]:total_len[i]] = -torch.rand(int(total_len[i] - prompt_len[i]), generator=g) * 3
-    return Batch(torch.randint(3, 200, (n, length), generator=g), prompt_len, total_len, behav,
-                 torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25]), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
+        behav[i, prompt_len[i] : total_len[i]] = -torch.rand(int(total_len[i] - prompt_len[i]), generator=g) * 3
+    return Batch(
+        torch.randint(3, 200, (n, length), generator=g),
+        prompt_len,
+        total_len,
+        behav,
+        torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25]),
+        torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]),
+    )
 
 
 def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo_dir):
@@ -51,13 +58,27 @@ def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo
     from qurl.algorithms import LossSpec, group_advantages, policy_loss
     from qurl.config import load_config
 
-    cfg = load_config(os.path.join(ROOT, "configs/demo-cpu.yaml"),
-                      [f"model.path={os.path.join(demo_dir, 'model')}",
-                       f"data.train_files=[{os.path.join(demo_dir, 'train.jsonl')}]", "data.eval_files=[]",
-                       "algo.kl_coef=0", "train.mini_batches=1", "train.lr=1e-3", "rollout.sampling.max_new_tokens=14"])
+    cfg = load_config(
+        os.path.join(ROOT, "configs/demo-cpu.yaml"),
+        [
+            f"model.path={os.path.join(demo_dir, 'model')}",
+            f"data.train_files=[{os.path.join(demo_dir, 'train.jsonl')}]",
+            "data.eval_files=[]",
+            "algo.kl_coef=0",
+            "train.mini_batches=1",
+            "train.lr=1e-3",
+            "rollout.sampling.max_new_tokens=14",
+        ],
+    )
     torch.manual_seed(0)
-    policy = PolicyStep(build_policy(cfg, torch.device("cpu")), None, cfg.train, cfg.algo, cfg.rollout.sampling,
-                        DistEnv(0, 1, 0, torch.device("cpu")))
+    policy = PolicyStep(
+        build_policy(cfg, torch.device("cpu")),
+        None,
+        cfg.train,
+        cfg.algo,
+        cfg.rollout.sampling,
+        DistEnv(0, 1, 0, torch.device("cpu")),
+    )
     before = {k: v.full_tensor().clone() for k, v in policy.model.state_dict().items()}
     batch = hand_built_batch()
 
@@ -77,8 +98,14 @@ def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo
     mask = (pos >= batch.prompt_len[:, None]) & (pos < batch.total_len[:, None])
     advantages = group_advantages(batch.rewards, batch.group, estimator=cfg.algo.advantage)
     logp = token_logprobs(plain, batch.input_ids[:, :end], start, cfg.rollout.sampling.temperature)
-    spec = LossSpec(mode=cfg.algo.loss, eps_low=cfg.algo.eps_low, eps_high=cfg.algo.eps_high,
-                    tis_cap=cfg.algo.tis_cap, agg=cfg.algo.loss_agg, dual_clip=cfg.algo.dual_clip)
+    spec = LossSpec(
+        mode=cfg.algo.loss,
+        eps_low=cfg.algo.eps_low,
+        eps_high=cfg.algo.eps_high,
+        tis_cap=cfg.algo.tis_cap,
+        agg=cfg.algo.loss_agg,
+        dual_clip=cfg.algo.dual_clip,
+    )
     loss, metrics = policy_loss(logp, logp.detach(), batch.behav_logp[:, start:end], advantages, mask, spec)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.train.grad_clip).item()

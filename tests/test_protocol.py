@@ -67,9 +67,7 @@ def make_push(bucket_bytes: int = 1 << 20) -> WeightPush:
             "embed.weight": from_torch(torch.randn(11, 8, generator=g).bfloat16()),
             "layers.0.q.weight": from_torch(torch.randint(-127, 128, (8, 8), dtype=torch.int8)),
             "layers.0.q.weight_scale": from_torch(torch.rand(8, generator=g)),
-            "layers.0.fp8.weight": from_torch(
-                torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn)
-            ),
+            "layers.0.fp8.weight": from_torch(torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn)),
             "half": from_torch(torch.randn(3, generator=g).half()),
             "codes": WireTensor(np.arange(200, dtype=np.uint8), "uint8"),
             "idx": np.arange(5, dtype=np.int64),
@@ -132,7 +130,9 @@ def assert_group_equal(a: TrajectoryGroup, b: TrajectoryGroup) -> None:
             u, v = getattr(x, f), getattr(y, f)
             assert u.dtype == v.dtype and np.array_equal(u, v), f
         assert (x.reward, x.finish_reason, x.reward_details) == (
-            y.reward, y.finish_reason, y.reward_details,
+            y.reward,
+            y.finish_reason,
+            y.reward_details,
         )
 
 
@@ -195,8 +195,7 @@ def test_weight_push_buckets():
     assert {e["bucket"] for e in single["tensors"]} == {0}  # default: one flat buffer
 
 
-@pytest.mark.parametrize("kind", ["hello", "heartbeat", "bye", "reply", "resend_status",
-                                  "resend_weights"])
+@pytest.mark.parametrize("kind", ["hello", "heartbeat", "bye", "reply", "resend_status", "resend_weights"])
 def test_status_round_trip(kind):
     s = make_status(kind)
     out = dec(enc(s, secret=SECRET), secret=SECRET, kinds=("status",))
@@ -225,8 +224,7 @@ def test_torch_conversion_is_zero_copy():
 
 
 def _sample(**kw):
-    base = dict(token_ids=[1, 2, 3], logprobs=[-0.1, -2.0, 0.0], versions=[0, 0, 1], reward=1.0,
-                finish_reason="stop")
+    base = dict(token_ids=[1, 2, 3], logprobs=[-0.1, -2.0, 0.0], versions=[0, 0, 1], reward=1.0, finish_reason="stop")
     base.update(kw)
     return Sample(**base)
 
@@ -263,13 +261,11 @@ def test_message_construction_rejects():
     with pytest.raises(BadField, match="samples"):
         TrajectoryGroup(prompt_id=1, group_id="g", server_id="s", prompt_ids=[1], samples=())
     with pytest.raises(BadField, match="prompt_id"):
-        TrajectoryGroup(prompt_id=True, group_id="g", server_id="s", prompt_ids=[1],
-                        samples=(_sample(),))
+        TrajectoryGroup(prompt_id=True, group_id="g", server_id="s", prompt_ids=[1], samples=(_sample(),))
     with pytest.raises(BadField, match="not allowed"):
         WeightPush(version=1, scheme="int8", tensors={"w": np.zeros(2, np.float64)})
     with pytest.raises(BadField, match="storage"):
-        WeightPush(version=1, scheme="bf16", tensors={"w": WireTensor(np.zeros(2, np.int8),
-                                                                         "bfloat16")})
+        WeightPush(version=1, scheme="bf16", tensors={"w": WireTensor(np.zeros(2, np.int8), "bfloat16")})
     with pytest.raises(BadField, match="mode"):
         WeightPush(version=1, scheme="int8", tensors={}, mode="patch")
     with pytest.raises(BadField, match="type"):
@@ -350,15 +346,13 @@ GROUP_CASES = [
     (_edit_header(_set(["prompt_id"], 1.5)), BadField, "prompt_id"),
     (_logprob(0.5), BadField, "above 0"),
     (_logprob(float("nan")), BadField, "not finite"),
-    (_edit_payload(3, lambda b: b.__setitem__(slice(0, 4), np.int32(-3).tobytes())), BadField,
-     "negative version"),
+    (_edit_payload(3, lambda b: b.__setitem__(slice(0, 4), np.int32(-3).tobytes())), BadField, "negative version"),
     (lambda f: f[:-1], BadFrame, "header declares"),
     (lambda f: [*f, b"extra"], BadFrame, "header declares"),
     (lambda f: [b"\xff\xfe{", *f[1:]], BadHeader, "UTF-8 JSON"),
     (lambda f: [b"[1, 2]", *f[1:]], BadHeader, "JSON list"),
     (lambda f: [b"[" * 100_000 + b"]" * 100_000, *f[1:]], BadHeader, "JSON"),
-    (lambda f: [bytes(f[0]).replace(b'"reward":0.0', b'"reward":NaN'), *f[1:]], BadHeader,
-     "non-finite"),
+    (lambda f: [bytes(f[0]).replace(b'"reward":0.0', b'"reward":NaN'), *f[1:]], BadHeader, "non-finite"),
     (lambda f: [b" " * (MAX_HEADER_BYTES + 1), *f[1:]], TooLarge, "header"),
     (lambda f: [], BadFrame, "empty"),
     (lambda f: [f[0], "text frame"], BadFrame, "buffer"),
@@ -425,8 +419,7 @@ def test_authentication():
     with pytest.raises(BadAuth, match="does not match"):
         dec(flipped, secret=SECRET)
     with pytest.raises(BadAuth):  # frames moved across a boundary change the MAC input
-        dec([signed[0], bytes(signed[1]) + bytes(signed[2][:4]), bytes(signed[2][4:]),
-             *signed[3:]], secret=SECRET)
+        dec([signed[0], bytes(signed[1]) + bytes(signed[2][:4]), bytes(signed[2][4:]), *signed[3:]], secret=SECRET)
     # a signed message whose header claims no MAC is refused by a receiver that has a secret
     h = header_of(signed)
     h["auth"] = None
@@ -494,28 +487,31 @@ def test_fuzz_random_bytes(frames, secret, guard):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
-    | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=4),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
 
 
 @pytest.mark.timeout(120)
 @FUZZ
-@given(header=st.dictionaries(st.text(max_size=12), json_values, max_size=8),
-       payload=st.lists(st.binary(max_size=64), max_size=4))
+@given(
+    header=st.dictionaries(st.text(max_size=12), json_values, max_size=8),
+    payload=st.lists(st.binary(max_size=64), max_size=4),
+)
 def test_fuzz_random_json_headers(header, payload):
     with pytest.raises(ProtocolError):
         dec([json.dumps(header).encode(), *payload])
 
 
 messages = st.one_of(
-    st.builds(make_group, n=st.integers(1, 4),
-              lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4),
-              prompt_id=st.one_of(st.integers(-5, 2**40), st.text(min_size=1, max_size=10)),
-              seed=st.integers(0, 100)),
+    st.builds(
+        make_group,
+        n=st.integers(1, 4),
+        lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4),
+        prompt_id=st.one_of(st.integers(-5, 2**40), st.text(min_size=1, max_size=10)),
+        seed=st.integers(0, 100),
+    ),
     st.builds(make_push, bucket_bytes=st.integers(1, 4096)),
     st.sampled_from(["hello", "heartbeat", "reply"]).map(make_status),
 )
@@ -548,13 +544,15 @@ def test_fuzz_lying_headers(msg, data, secret):
     for key in path[:-1]:
         node = node[key]
     leaf = path[-1]
-    value = data.draw(st.one_of(
-        json_values,
-        st.sampled_from([*DTYPES, "float64", "object", "<f8", "bool", ""]),
-        st.lists(st.integers(-3, 2**40), max_size=3),
-        st.integers(-(2**63), 2**63),
-        st.just(None),
-    ))
+    value = data.draw(
+        st.one_of(
+            json_values,
+            st.sampled_from([*DTYPES, "float64", "object", "<f8", "bool", ""]),
+            st.lists(st.integers(-3, 2**40), max_size=3),
+            st.integers(-(2**63), 2**63),
+            st.just(None),
+        )
+    )
     if data.draw(st.booleans()) and isinstance(node, dict):
         node.pop(leaf)
     else:
@@ -618,15 +616,13 @@ def test_fuzz_bad_keys(key, strip):
 
 @pytest.mark.timeout(60)
 @FUZZ
-@given(stamps=st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 6)),
-                       max_size=25))
+@given(stamps=st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 6)), max_size=25))
 def test_fuzz_replays(stamps):
     """Accepted exactly when seq is above the last accepted of that session."""
     guard, last = ReplayGuard(), {}
     msg = make_status()
     for session, seq in stamps:
-        out = try_decode(enc(msg, secret=SECRET, session=session, seq=seq), secret=SECRET,
-                         replay_guard=guard)
+        out = try_decode(enc(msg, secret=SECRET, session=session, seq=seq), secret=SECRET, replay_guard=guard)
         if seq > last.get(session, -1):
             assert isinstance(out, Status)
             last[session] = seq

@@ -1,6 +1,7 @@
 """sync.transport (zmq | cuda-ipc | nccl): config rules, the WeightRef message, the learner's choice of transport,
 and the launcher's process layout on an 8-GPU node. Runs on CPU without sglang; the SGLang ends are in
 tests/test_sglang.py (CPU, real sglang) and benchmarks/gpu_check_sglang.sh (GPU)."""
+
 import os
 import time
 
@@ -20,8 +21,15 @@ from qurl.protocol import Status, WeightRef
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSCALER = os.path.join(ROOT, "configs", "deepscaler-1.5b-int8.yaml")
 DAPO = os.path.join(ROOT, "configs", "dapo-7b-fp8.yaml")
-GPU_SGLANG = ["rollout.engine=sglang", "rollout.dtype=bfloat16", "cluster.learner_ranks=4", "cluster.learner_gpus=[4,5,6,7]",
-              "cluster.rollout_gpus=[0,1,2,3]", "cluster.rollout_servers=4", "rollout.quant=fp8"]
+GPU_SGLANG = [
+    "rollout.engine=sglang",
+    "rollout.dtype=bfloat16",
+    "cluster.learner_ranks=4",
+    "cluster.learner_gpus=[4,5,6,7]",
+    "cluster.rollout_gpus=[0,1,2,3]",
+    "cluster.rollout_servers=4",
+    "rollout.quant=fp8",
+]
 
 
 def cfg(*overrides, path=None):
@@ -42,8 +50,9 @@ def test_zmq_is_the_default_and_the_only_transport_on_cpu():
     assert cfg().sync.transport == "zmq"
     for kind in ("cuda-ipc", "nccl"):
         assert "needs rollout.engine=sglang" in error(f"sync.transport={kind}")
-        assert "on CPU use sync.transport=zmq" in error(f"sync.transport={kind}", "rollout.engine=sglang",
-                                                        "rollout.dtype=bfloat16")
+        assert "on CPU use sync.transport=zmq" in error(
+            f"sync.transport={kind}", "rollout.engine=sglang", "rollout.dtype=bfloat16"
+        )
     assert "choose one of: zmq, cuda-ipc, nccl" in error("sync.transport=gloo")
 
 
@@ -63,8 +72,13 @@ META = (["a.weight", "a.weight_scale_inv"], ["float8_e4m3fn", "float32"], [[256,
 
 
 def test_weight_ref_round_trips_with_hmac_and_strict_decoding():
-    ref = WeightRef(version=7, scheme="fp8-block", transport="cuda-ipc", buckets=[META, (["b"], ["bfloat16"], [[3]])],
-                    payloads=[[b"rank0-b0", b"rank1-b0"], [b"rank0-b1", b"rank1-b1"]])
+    ref = WeightRef(
+        version=7,
+        scheme="fp8-block",
+        transport="cuda-ipc",
+        buckets=[META, (["b"], ["bfloat16"], [[3]])],
+        payloads=[[b"rank0-b0", b"rank1-b0"], [b"rank0-b1", b"rank1-b1"]],
+    )
     frames = protocol.encode(ref, sender="learner", session="s", seq=1, secret=b"key")
     got = protocol.decode(frames, secret=b"key", max_bytes=1 << 20, kinds=("weight_push", "weight_ref"))
     assert isinstance(got, WeightRef) and got.version == 7 and got.ranks == 2
@@ -81,20 +95,24 @@ def test_weight_ref_round_trips_with_hmac_and_strict_decoding():
     assert back.transport == "nccl" and back.payloads == [] and back.buckets[0][2] == [[4, 4]]
 
 
-@pytest.mark.parametrize("kwargs,fragment", [
-    (dict(transport="rdma"), "transport"),
-    (dict(buckets=[]), "at least one bucket"),
-    (dict(buckets=[(["w"], ["float64"], [[2]])]), "dtype"),
-    (dict(buckets=[(["w"], ["float32"], [[-1]])]), "shape"),
-    (dict(buckets=[(["w", "w"], ["float32"] * 2, [[1], [1]])]), "twice"),
-    (dict(buckets=[(["w"], ["float32", "int8"], [[1]])]), "equal"),
-    (dict(transport="nccl", payloads=[[b"x"]]), "nccl reference carries none"),
-    (dict(payloads=[]), "one list per bucket"),
-    (dict(payloads=[[b""]]), "bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(transport="rdma"), "transport"),
+        (dict(buckets=[]), "at least one bucket"),
+        (dict(buckets=[(["w"], ["float64"], [[2]])]), "dtype"),
+        (dict(buckets=[(["w"], ["float32"], [[-1]])]), "shape"),
+        (dict(buckets=[(["w", "w"], ["float32"] * 2, [[1], [1]])]), "twice"),
+        (dict(buckets=[(["w"], ["float32", "int8"], [[1]])]), "equal"),
+        (dict(transport="nccl", payloads=[[b"x"]]), "nccl reference carries none"),
+        (dict(payloads=[]), "one list per bucket"),
+        (dict(payloads=[[b""]]), "bytes"),
+    ],
+)
 def test_weight_ref_refuses_bad_fields(kwargs, fragment):
-    fields = dict(version=1, scheme="none", transport="cuda-ipc", buckets=[(["w"], ["float32"], [[2]])],
-                  payloads=[[b"p"]])
+    fields = dict(
+        version=1, scheme="none", transport="cuda-ipc", buckets=[(["w"], ["float32"], [[2]])], payloads=[[b"p"]]
+    )
     fields.update(kwargs)
     with pytest.raises(BadField, match=fragment):
         WeightRef(**fields)
@@ -126,8 +144,11 @@ def test_wait_applied_returns_the_live_servers_still_behind(hub):
     sender, _ = hub
     now = time.monotonic()
     plane = sender.plane
-    plane.servers = {"r0": ServerInfo(3, 0, 0, now), "r1": ServerInfo(2, 0, 0, now),
-                      "gone": ServerInfo(0, 0, 0, now - SERVER_GONE_S - 1)}
+    plane.servers = {
+        "r0": ServerInfo(3, 0, 0, now),
+        "r1": ServerInfo(2, 0, 0, now),
+        "gone": ServerInfo(0, 0, 0, now - SERVER_GONE_S - 1),
+    }
     started = time.monotonic()
     assert plane.wait_applied(3, timeout_s=0.3) == ["r1"]
     assert time.monotonic() - started >= 0.3
@@ -148,11 +169,16 @@ def test_learner_builds_the_configured_transport(hub):
     assert isinstance(got, protocol.WeightPush) and got.version == 1
     assert np.array_equal(got.tensors["w"].data, np.ones((4, 4), np.int8))
     for tp, ranks in ((1, 4), (2, 4)):
-        ipc = push_transport.build(cfg("sync.transport=cuda-ipc", *GPU_SGLANG, f"rollout.tp_size={tp}",
-                                       f"cluster.rollout_servers={4 // tp}"), sender, "fp8-block", torch.device("cpu"))
+        ipc = push_transport.build(
+            cfg("sync.transport=cuda-ipc", *GPU_SGLANG, f"rollout.tp_size={tp}", f"cluster.rollout_servers={4 // tp}"),
+            sender,
+            "fp8-block",
+            torch.device("cpu"),
+        )
         assert isinstance(ipc, push_transport.IpcPush) and ipc.ranks == ranks
-    nccl = push_transport.NcclPush(sender, "fp8-block", torch.device("cpu"), "tcp://127.0.0.1:29999", replicas=2,
-                                   tp_size=2)
+    nccl = push_transport.NcclPush(
+        sender, "fp8-block", torch.device("cpu"), "tcp://127.0.0.1:29999", replicas=2, tp_size=2
+    )
     assert nccl.world == 5 and nccl.address == ("127.0.0.1", 29999)
     with pytest.raises(ValueError, match="sync.group_endpoint=auto"):
         push_transport.NcclPush(sender, "none", torch.device("cpu"), "auto", 1, 1)
@@ -163,10 +189,14 @@ def test_learner_builds_the_configured_transport(hub):
 
 def test_deepscaler_layout_is_four_replicas_and_a_four_rank_learner():
     learner, *servers = plan(cfg(path=DEEPSCALER), available_gpus=8)
-    assert (learner.program, learner.gpus, learner.env) == ("qurl-learner", [4, 5, 6, 7],
-                                                            {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert (learner.program, learner.gpus, learner.env) == (
+        "qurl-learner",
+        [4, 5, 6, 7],
+        {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+    )
     assert [(s.name, s.gpus, s.env) for s in servers] == [
-        (f"rollout-{i}", [i], {"QURL_SERVER_INDEX": str(i)}) for i in range(4)]  # SGLang places by base_gpu_id
+        (f"rollout-{i}", [i], {"QURL_SERVER_INDEX": str(i)}) for i in range(4)
+    ]  # SGLang places by base_gpu_id
 
 
 def test_dapo_layout_is_two_tp2_replicas_and_visible_devices_map_through():
@@ -181,16 +211,19 @@ def test_cpu_layout_is_unchanged():
     assert learner.env == {} and [s.env for s in servers] == [{"QURL_SERVER_INDEX": "0"}, {"QURL_SERVER_INDEX": "1"}]
 
 
-@pytest.mark.parametrize("overrides,available,fragment", [
-    ([], 4, "names GPU 4, but this node has 4 GPUs"),
-    (["cluster.rollout_gpus=[0,1,2]"], 8, "not a multiple of rollout.tp_size=2"),
-    (["cluster.rollout_servers=4"], 8, "one server per replica"),
-    (["cluster.rollout_gpus=[0,1,4,5]"], 8, "share GPUs [4, 5]"),
-    (["cluster.rollout_gpus=[0,0,1,2]"], 8, "lists GPU 0 twice"),
-    (["cluster.learner_gpus=[4,5,6]"], 8, "one GPU per rank"),
-    (["cluster.rollout_gpus=[]"], 8, "needs cluster.rollout_gpus"),
-    (["sync.transport=cuda-ipc", "cluster.rollout_gpus=[4,5,6,7]"], 8, "set rollout.mem_fraction"),
-])
+@pytest.mark.parametrize(
+    "overrides,available,fragment",
+    [
+        ([], 4, "names GPU 4, but this node has 4 GPUs"),
+        (["cluster.rollout_gpus=[0,1,2]"], 8, "not a multiple of rollout.tp_size=2"),
+        (["cluster.rollout_servers=4"], 8, "one server per replica"),
+        (["cluster.rollout_gpus=[0,1,4,5]"], 8, "share GPUs [4, 5]"),
+        (["cluster.rollout_gpus=[0,0,1,2]"], 8, "lists GPU 0 twice"),
+        (["cluster.learner_gpus=[4,5,6]"], 8, "one GPU per rank"),
+        (["cluster.rollout_gpus=[]"], 8, "needs cluster.rollout_gpus"),
+        (["sync.transport=cuda-ipc", "cluster.rollout_gpus=[4,5,6,7]"], 8, "set rollout.mem_fraction"),
+    ],
+)
 def test_bad_layouts_are_refused_with_one_line(overrides, available, fragment):
     with pytest.raises(ConfigError) as info:
         plan(cfg(*overrides, path=DAPO), available_gpus=available)

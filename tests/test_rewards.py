@@ -12,8 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from qurl.rewards import (RewardError, RewardPool, RewardResult, arith_reward, gsm8k_final_answer, gsm8k_reward,
-                          last_boxed, math_reward)
+from qurl.rewards import (
+    RewardError,
+    RewardPool,
+    RewardResult,
+    arith_reward,
+    gsm8k_final_answer,
+    gsm8k_reward,
+    last_boxed,
+    math_reward,
+)
 
 TESTS = Path(__file__).parent
 TIMEOUT_S = 1.5
@@ -116,7 +124,11 @@ def test_arith(response: str, gold: str, reward: float) -> None:
     "response, gold, reward",
     [
         # GSM8K's own solution form, and SmolLM2-135M's real outputs on GSM-Symbolic prompts
-        ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72", "72", 1.0),
+        (
+            "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72",
+            "72",
+            1.0,
+        ),
         ("The number of girls in the field is 10 + 4 = 14\n#### 14", "14", 1.0),
         ("So they have 11168 minutes.\n\n#### 11168\n#### 11168\n#### 111", "11168", 0.0),  # cut mid-number
         ("#### N = 100\n#### N = 100", "100", 1.0),  # the model copied the N of the instruction

@@ -7,6 +7,7 @@ admission stops exactly at the staleness budget while the learner is away and re
 returns, garbage on the weights and control paths is counted and survived, and SIGTERM exits
 with code 0 leaving no child process behind. The int8 run signs every message (transport.secret).
 """
+
 import json
 import os
 import signal
@@ -22,8 +23,8 @@ import zmq
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from qurl import transport
-from qurl.protocol import Sample as ProtoSample
 from qurl.frames import from_torch, to_torch
+from qurl.protocol import Sample as ProtoSample
 from qurl.protocol import Status, TrajectoryGroup, WeightPush, encode
 from qurl.quant import quantize_state_dict
 from qurl.rewards import arith_reward
@@ -70,8 +71,12 @@ class FakeLearner:
     def reply(self) -> None:
         """What the learner answers its only server: its version and the grant (learner/budget.py) that fills the
         bound, A + (grant - received) = (S + V + 1) * B, with every received group accepted (A = received)."""
-        self.control_tx.send(Status(type="reply", server_id="learner", version=self.version,
-                                    budget=(STALENESS + self.version + 1) * BATCH), to=self.identity)
+        self.control_tx.send(
+            Status(
+                type="reply", server_id="learner", version=self.version, budget=(STALENESS + self.version + 1) * BATCH
+            ),
+            to=self.identity,
+        )
 
     def pump(self, until, timeout_s: float = WAIT_S, pull: bool = True, reply: bool = True) -> None:
         """Serve the sockets until `until()` holds; fail after timeout_s."""
@@ -123,18 +128,33 @@ def learner(request):
 
 def start_server(demo_dir: Path, learner: FakeLearner, run_dir: Path, quant: str):
     overrides = [
-        f"model.path={demo_dir / 'model'}", f"data.train_files=[{demo_dir / 'train.jsonl'}]", "data.eval_files=[]",
-        f"run.dir={run_dir}", f"rollout.quant={quant}", f"train.batch_prompts={BATCH}",
-        f"async.max_staleness={STALENESS}", f"rollout.n_samples={N}", "rollout.max_batch=16",
-        f"rollout.sampling.max_new_tokens={MAX_NEW}", f"rollout.sampling.temperature={TEMP}", "reward.workers=1",
-        "log.interval_s=1", "run.seed=3", *learner.overrides(),
+        f"model.path={demo_dir / 'model'}",
+        f"data.train_files=[{demo_dir / 'train.jsonl'}]",
+        "data.eval_files=[]",
+        f"run.dir={run_dir}",
+        f"rollout.quant={quant}",
+        f"train.batch_prompts={BATCH}",
+        f"async.max_staleness={STALENESS}",
+        f"rollout.n_samples={N}",
+        "rollout.max_batch=16",
+        f"rollout.sampling.max_new_tokens={MAX_NEW}",
+        f"rollout.sampling.temperature={TEMP}",
+        "reward.workers=1",
+        "log.interval_s=1",
+        "run.seed=3",
+        *learner.overrides(),
     ]
     log_path = run_dir / "server.log"
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([SERVER, "--config", str(ROOT / "configs/demo-cpu.yaml"), *overrides], cwd=ROOT,
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [SERVER, "--config", str(ROOT / "configs/demo-cpu.yaml"), *overrides],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     learner.proc = proc
     return proc, log_path
 
@@ -183,7 +203,7 @@ def sigterm_and_check(proc: subprocess.Popen) -> float:
 def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
     """Teacher-forced transformers logprobs, log_softmax(logits / T) of each given token."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits / TEMP, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0].numpy()
 
 
@@ -198,8 +218,11 @@ def engine_logprobs(engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
 
 
 def max_gap(groups, reference) -> float:
-    gaps = [np.abs(s.logprobs - reference(g.prompt_ids.tolist(), s.token_ids.tolist())).max()
-            for g in groups for s in g.samples]
+    gaps = [
+        np.abs(s.logprobs - reference(g.prompt_ids.tolist(), s.token_ids.tolist())).max()
+        for g in groups
+        for s in g.samples
+    ]
     return float(max(gaps))
 
 
@@ -250,8 +273,10 @@ def test_outbox_keeps_groups_while_the_queue_is_full():
         counters = {"sent": 0, "send_retries": 0}
         outbox = Outbox(transport.Sender(push, "srv"), counters)
         sample = ProtoSample([4, 5], [-0.5, -1.0], [0, 0], 1.0, "stop")
-        outbox.pending.extend(TrajectoryGroup(prompt_id=i, group_id=f"g{i}", server_id="srv", prompt_ids=[1, 2],
-                                              samples=(sample,)) for i in range(8))
+        outbox.pending.extend(
+            TrajectoryGroup(prompt_id=i, group_id=f"g{i}", server_id="srv", prompt_ids=[1, 2], samples=(sample,))
+            for i in range(8)
+        )
         outbox.flush()
         assert counters["send_retries"] == 1 and counters["sent"] + len(outbox.pending) == 8 and outbox.pending
         rx = transport.Receiver(pull, secret=None, max_bytes=1 << 20)
@@ -267,12 +292,23 @@ def test_outbox_keeps_groups_while_the_queue_is_full():
 
 def test_auto_endpoint_is_one_clear_error(demo_dir):
     demo_dir = Path(demo_dir)
-    out = subprocess.run([SERVER, "--config", str(ROOT / "configs/demo-cpu.yaml"), f"model.path={demo_dir / 'model'}",
-                          f"data.train_files=[{demo_dir / 'train.jsonl'}]", "data.eval_files=[]"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            SERVER,
+            "--config",
+            str(ROOT / "configs/demo-cpu.yaml"),
+            f"model.path={demo_dir / 'model'}",
+            f"data.train_files=[{demo_dir / 'train.jsonl'}]",
+            "data.eval_files=[]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip() == ("qurl-rollout-server: transport.trajectories=auto: give an endpoint when starting "
-                                  "this process by hand")
+    assert out.stderr.strip() == (
+        "qurl-rollout-server: transport.trajectories=auto: give an endpoint when starting this process by hand"
+    )
 
 
 def test_server_end_to_end_fp32(demo_dir, gold, learner, tmp_path):
@@ -301,9 +337,14 @@ def test_server_end_to_end_fp32(demo_dir, gold, learner, tmp_path):
         ident = learner.identity
         good = encode(Status(type="reply", server_id="learner", version=0), sender="fuzz", session="s", seq=0)
         rng = np.random.default_rng(7)
-        junk = [[b"\x00\xff"], [b"{}"], [b'{"kind": "weight_push"}', b"x"], [good[0] + b"}"],
-                [good[0], b"extra frame"],
-                *([rng.bytes(int(rng.integers(0, 400))) for _ in range(int(rng.integers(1, 4)))] for _ in range(40))]
+        junk = [
+            [b"\x00\xff"],
+            [b"{}"],
+            [b'{"kind": "weight_push"}', b"x"],
+            [good[0] + b"}"],
+            [good[0], b"extra frame"],
+            *([rng.bytes(int(rng.integers(0, 400))) for _ in range(int(rng.integers(1, 4)))] for _ in range(40)),
+        ]
         for frames in junk:
             learner.pub.send_multipart(frames)
             learner.router.send_multipart([ident, *frames])
@@ -313,8 +354,12 @@ def test_server_end_to_end_fp32(demo_dir, gold, learner, tmp_path):
         wrong = WeightPush(version=5, scheme="none", tensors={"model.embed_tokens.weight": np.zeros(3, np.float32)})
         learner.pub_tx.send(wrong)  # well formed, but not this engine's tensors
         expected_bad = 2 * len(junk) + 1
-        learner.pump(lambda: learner.counters.get("bad_messages") == expected_bad
-                     and learner.counters.get("weight_pushes_rejected") == 1)
+        learner.pump(
+            lambda: (
+                learner.counters.get("bad_messages") == expected_bad
+                and learner.counters.get("weight_pushes_rejected") == 1
+            )
+        )
         assert proc.poll() is None and learner.statuses[-1].version == 0
 
         # 3. a weight push (version 1) is applied between decode steps; groups started after it carry version 1
@@ -353,8 +398,10 @@ def test_server_end_to_end_fp32(demo_dir, gold, learner, tmp_path):
 
         took = sigterm_and_check(proc)
         learner.pump(lambda: learner.statuses[-1].type == "bye", timeout_s=5)  # delivered within the socket linger
-        print(f"fp32 server: logprob gap {gap0:.1e} (v0), {gap1:.1e} (v1); stopped {took:.2f} s after SIGTERM; "
-              f"counters {learner.statuses[-1].counters}")
+        print(
+            f"fp32 server: logprob gap {gap0:.1e} (v0), {gap1:.1e} (v1); stopped {took:.2f} s after SIGTERM; "
+            f"counters {learner.statuses[-1].counters}"
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -406,4 +453,3 @@ def test_server_int8_logprobs_and_push(demo_dir, gold, learner, tmp_path):
 # only float summation order differs (SDPA vs explicit attention), which can flip a code that sits on a
 # rounding boundary. 1e-3 is the engine's own int8 parity bound (issue 4); measured gaps are reported.
 INT8_TOL = 1e-3
-

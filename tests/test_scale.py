@@ -3,6 +3,7 @@
 Real processes throughout: `qurl-async` with 2 servers and 2 gloo learner ranks, and `torchrun --nnodes 2`
 on loopback against a 2-rank single-node learner.
 """
+
 import json
 import os
 import re
@@ -11,10 +12,9 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 from safetensors.torch import load_file
-from test_async import ROOT, demo_overrides, finish, start, wait_for_step
+from test_async import ROOT, demo_overrides, finish, start
 
 from qurl.launcher import free_port
 from qurl.report import read_metrics
@@ -42,8 +42,15 @@ def _steps(run_dir) -> int:
 
 def test_two_servers_and_two_ranks_share_one_budget_and_outlive_a_killed_server(demo_dir, tmp_path):
     run_dir = tmp_path / "two"
-    proc = start(demo_dir, run_dir, 2000, "cluster.rollout_servers=2", "cluster.learner_ranks=2", "eval.every=0",
-                 "checkpoint.every=0")
+    proc = start(
+        demo_dir,
+        run_dir,
+        2000,
+        "cluster.rollout_servers=2",
+        "cluster.learner_ranks=2",
+        "eval.every=0",
+        "checkpoint.every=0",
+    )
     try:
         _wait(lambda: "applied delta weights" in _server_log(run_dir, 0))  # both servers up
         step = _steps(run_dir)
@@ -75,13 +82,24 @@ def test_two_servers_and_two_ranks_share_one_budget_and_outlive_a_killed_server(
     assert max(r["admission/servers"] for r in rows) == 2
     assert any(r["admission/max_reserved"] == r["admission/limit"] for r in rows)  # the budget did bind
     # the dead server's share came back when its replacement said hello, not 30 s later
-    assert re.search(r"rollout-1-\d+ replaces rollout-1-\d+: its budget share is returned",
-                     (run_dir / "logs" / "learner.log").read_text())
+    assert re.search(
+        r"rollout-1-\d+ replaces rollout-1-\d+: its budget share is returned",
+        (run_dir / "logs" / "learner.log").read_text(),
+    )
     print(f"{steps} steps; groups used per server life {used}")
 
 
-LEARNER_SMALL = ["train.batch_prompts=4", "rollout.n_samples=4", "async.max_staleness=0", "checkpoint.every=0",
-                 "eval.every=0", "data.eval_files=[]", "log.interval_s=2", "reward.timeout_s=5", "run.seed=7"]
+LEARNER_SMALL = [
+    "train.batch_prompts=4",
+    "rollout.n_samples=4",
+    "async.max_staleness=0",
+    "checkpoint.every=0",
+    "eval.every=0",
+    "data.eval_files=[]",
+    "log.interval_s=2",
+    "reward.timeout_s=5",
+    "run.seed=7",
+]
 
 
 def _endpoints() -> list[str]:
@@ -89,23 +107,58 @@ def _endpoints() -> list[str]:
 
 
 def _server(demo_dir, run_dir, endpoints, log):
-    cmd = [os.path.join(BIN, "qurl-rollout-server"), "--config", "configs/demo-cpu.yaml",
-           *demo_overrides(demo_dir, run_dir, 3), *LEARNER_SMALL, *endpoints]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        os.path.join(BIN, "qurl-rollout-server"),
+        "--config",
+        "configs/demo-cpu.yaml",
+        *demo_overrides(demo_dir, run_dir, 3),
+        *LEARNER_SMALL,
+        *endpoints,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
 
 
 def _learners(demo_dir, run_dir, steps, endpoints, two_nodes: bool, log) -> list[subprocess.Popen]:
     args = ["--config", "configs/demo-cpu.yaml", *demo_overrides(demo_dir, run_dir, steps), *LEARNER_SMALL, *endpoints]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if not two_nodes:
-        return [subprocess.Popen([os.path.join(BIN, "qurl-learner"), *args, "cluster.learner_ranks=2"], cwd=ROOT,
-                                 stdout=log, stderr=subprocess.STDOUT, env=env)]
+        return [
+            subprocess.Popen(
+                [os.path.join(BIN, "qurl-learner"), *args, "cluster.learner_ranks=2"],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        ]
     port = free_port()
-    return [subprocess.Popen([os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
-                              str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "--no-python",
-                              os.path.join(BIN, "qurl-learner"), *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                             env=env)
-            for node in (0, 1)]
+    return [
+        subprocess.Popen(
+            [
+                os.path.join(BIN, "torchrun"),
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--no-python",
+                os.path.join(BIN, "qurl-learner"),
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for node in (0, 1)
+    ]
 
 
 def _train(demo_dir, run_dir, steps, two_nodes: bool) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ on CPU, in the venv made by scripts/setup_sglang_cpu.sh (SGLang's own ServerArgs
 normalisation, FlattenedTensorBucket, MultiprocessingSerializer, W8A8Int8LinearMethod / Fp8LinearMethod layers at
 TP 2 and 4, WeightUpdater's flattened-bucket receive over gloo). The running engine: tests/test_sglang_engine.py.
 """
+
 import importlib
 import importlib.util
 import json
@@ -21,6 +22,7 @@ import torch
 from qurl import sglang_payload as payload
 from qurl.quant import quantize_int8, quantize_state_dict
 from rollout_server.engines import GenRequest, load_engine
+from rollout_server.engines import sglang_args as sargs
 from rollout_server.engines import sglang_engine as se
 from rollout_server.engines.sglang_int8_loader import LOADER_PATH, split
 
@@ -35,9 +37,15 @@ needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang not installed 
 def layer_tensors(prefix: str, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, seed: int = 0):
     """Full-precision HF-named projection weights of one decoder layer."""
     g = torch.Generator().manual_seed(seed)
-    shapes = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
-              "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
-              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+    shapes = {
+        "self_attn.q_proj": (heads * head_dim, hidden),
+        "self_attn.k_proj": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj": (hidden, heads * head_dim),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
     return {f"{prefix}.{k}.weight": torch.randn(s, generator=g) * 0.05 for k, s in shapes.items()}
 
 
@@ -47,7 +55,7 @@ def rank_slice(name: str, t: torch.Tensor, rank: int, tp: int, kv_heads: int):
         if t.shape[1] == 1:  # a per-row scale is not split by row parallelism
             return t
         cols = t.shape[1] // tp
-        return t[:, rank * cols:(rank + 1) * cols]
+        return t[:, rank * cols : (rank + 1) * cols]
     if "k_proj" in name or "v_proj" in name:
         replicas = max(1, tp // kv_heads)
         parts = min(tp, kv_heads)
@@ -55,7 +63,7 @@ def rank_slice(name: str, t: torch.Tensor, rank: int, tp: int, kv_heads: int):
     else:
         parts, index = tp, rank
     rows = t.shape[0] // parts
-    return t[index * rows:(index + 1) * rows]
+    return t[index * rows : (index + 1) * rows]
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +83,16 @@ def tiny_model(tmp_path_factory):
     """A tiny bf16 Qwen2 folder (config.json + safetensors) for ServerArgs and ModelConfig resolution."""
     transformers = pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("tiny-qwen2")
-    cfg = transformers.Qwen2Config(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                                   tie_word_embeddings=True)
+    cfg = transformers.Qwen2Config(
+        vocab_size=300,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return str(path)
@@ -87,58 +102,100 @@ def tiny_model(tmp_path_factory):
 
 
 def test_request_dict_sets_every_sampling_field():
-    req = GenRequest(prompt_ids=[5, 6, 7], n=4, max_new_tokens=9, temperature=0.7, top_p=0.9, top_k=20,
-                     stop_token_ids=[2, 3], seed=11)
+    req = GenRequest(
+        prompt_ids=[5, 6, 7],
+        n=4,
+        max_new_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        stop_token_ids=[2, 3],
+        seed=11,
+    )
     d = se.request_dict(req)
-    assert d == {"input_ids": [5, 6, 7], "return_logprob": True,
-                 "sampling_params": {"n": 4, "max_new_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
-                                     "stop_token_ids": [2, 3]}}
+    assert d == {
+        "input_ids": [5, 6, 7],
+        "return_logprob": True,
+        "sampling_params": {
+            "n": 4,
+            "max_new_tokens": 9,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "stop_token_ids": [2, 3],
+        },
+    }
     assert se.request_dict(GenRequest(prompt_ids=[1]))["sampling_params"]["max_new_tokens"] == 256
 
 
 def test_parse_output_expands_version_spans_per_token():
-    meta = {"finish_reason": {"type": "stop", "matched": 2}, "weight_version": "7",
-            "weight_versions": [{"version": "6", "start": 0, "end": 3}, {"version": "7", "start": 3, "end": 5}],
-            "output_token_logprobs": [(-0.5, 10, None), (-1.0, 11, None), (-0.1, 12, None), (-2.0, 13, None),
-                                      (-0.3, 2, None)]}
+    meta = {
+        "finish_reason": {"type": "stop", "matched": 2},
+        "weight_version": "7",
+        "weight_versions": [{"version": "6", "start": 0, "end": 3}, {"version": "7", "start": 3, "end": 5}],
+        "output_token_logprobs": [
+            (-0.5, 10, None),
+            (-1.0, 11, None),
+            (-0.1, 12, None),
+            (-2.0, 13, None),
+            (-0.3, 2, None),
+        ],
+    }
     s = se.parse_output({"output_ids": [10, 11, 12, 13, 2], "meta_info": meta})
     assert s.token_ids == [10, 11, 12, 13, 2] and s.logprobs == [-0.5, -1.0, -0.1, -2.0, -0.3]
     assert s.versions == [6, 6, 6, 7, 7] and s.finish_reason == "stop"
-    meta = {"finish_reason": {"type": "length", "length": 2}, "weight_version": "3",
-            "output_token_logprobs": [(-0.5, 10, None), (-1.0, 11, None)]}
+    meta = {
+        "finish_reason": {"type": "length", "length": 2},
+        "weight_version": "3",
+        "output_token_logprobs": [(-0.5, 10, None), (-1.0, 11, None)],
+    }
     assert se.parse_output({"meta_info": meta}).versions == [3, 3]
 
 
 def test_parse_output_refuses_aborts_and_bad_versions():
     with pytest.raises(RuntimeError, match="did not finish"):
-        se.parse_output({"meta_info": {"finish_reason": {"type": "abort", "message": "oom"}, "weight_version": "0",
-                                       "output_token_logprobs": []}})
+        se.parse_output(
+            {
+                "meta_info": {
+                    "finish_reason": {"type": "abort", "message": "oom"},
+                    "weight_version": "0",
+                    "output_token_logprobs": [],
+                }
+            }
+        )
     with pytest.raises(ValueError, match="weight_version='0'"):
-        se.parse_output({"meta_info": {"finish_reason": {"type": "length"}, "weight_version": "default",
-                                       "output_token_logprobs": [(-1.0, 4, None)]}})
+        se.parse_output(
+            {
+                "meta_info": {
+                    "finish_reason": {"type": "length"},
+                    "weight_version": "default",
+                    "output_token_logprobs": [(-1.0, 4, None)],
+                }
+            }
+        )
     with pytest.raises(ValueError, match="do not cover"):
         se.token_versions({"weight_versions": [{"version": "1", "start": 0, "end": 1}]}, 2)
 
 
 def test_engine_args_per_scheme_and_gpu_placement():
     common = dict(dtype="bfloat16", tp_size=2, max_batch=32, max_seq_len=1024, seed=3)
-    int8 = se.engine_args("/m", scheme="int8", gpus=[2, 3], **common)
+    int8 = sargs.engine_args("/m", scheme="int8", gpus=[2, 3], **common)
     assert int8["quantization"] == "w8a8_int8" and int8["custom_weight_loader"] == [LOADER_PATH]
     assert (int8["dp_size"], int8["tp_size"], int8["base_gpu_id"], int8["gpu_id_step"]) == (1, 2, 2, 1)
     assert int8["skip_tokenizer_init"] and int8["load_format"] == "dummy" and int8["weight_version"] == "0"
     assert (int8["context_length"], int8["max_running_requests"], int8["random_seed"]) == (1024, 32, 3)
-    fp8 = se.engine_args("/m", scheme="fp8-block", gpus=[0, 2], **common)
+    fp8 = sargs.engine_args("/m", scheme="fp8-block", gpus=[0, 2], **common)
     assert fp8["quantization"] == "fp8" and fp8["gpu_id_step"] == 2
     assert json.loads(fp8["json_model_override_args"])["quantization_config"]["weight_block_size"] == [128, 128]
-    none = se.engine_args("/m", scheme="none", gpus=[4, 5], **common)
+    none = sargs.engine_args("/m", scheme="none", gpus=[4, 5], **common)
     assert "quantization" not in none and "load_format" not in none
     with pytest.raises(ValueError, match="fp8-channel"):
-        se.engine_args("/m", scheme="fp8-channel", gpus=[0, 1], **common)
+        sargs.engine_args("/m", scheme="fp8-channel", gpus=[0, 1], **common)
     with pytest.raises(ValueError, match="evenly spaced"):
-        se.engine_args("/m", scheme="int8", gpus=[3, 1], **common)
-    assert se.replica_gpus([0, 1, 2, 3], 2, 1) == [2, 3] and se.replica_gpus([4, 5, 6, 7], 1, 3) == [7]
+        sargs.engine_args("/m", scheme="int8", gpus=[3, 1], **common)
+    assert sargs.replica_gpus([0, 1, 2, 3], 2, 1) == [2, 3] and sargs.replica_gpus([4, 5, 6, 7], 1, 3) == [7]
     with pytest.raises(ValueError, match="no 2 GPUs for rollout replica 2"):
-        se.replica_gpus([0, 1, 2, 3], 2, 2)
+        sargs.replica_gpus([0, 1, 2, 3], 2, 2)
 
 
 def test_named_tensors_checks_codes_and_scales():
@@ -159,9 +216,14 @@ def test_named_tensors_checks_codes_and_scales():
 
 
 def test_buckets_cap_size_keep_pairs_and_align_offsets():
-    tensors = quantize_state_dict({**layer_tensors("model.layers.0", 64, 4, 2, 16, 96),
-                                   "model.norm.weight": torch.ones(63, dtype=torch.bfloat16),
-                                   "model.embed_tokens.weight": torch.randn(37, 64)}, "int8")
+    tensors = quantize_state_dict(
+        {
+            **layer_tensors("model.layers.0", 64, 4, 2, 16, 96),
+            "model.norm.weight": torch.ones(63, dtype=torch.bfloat16),
+            "model.embed_tokens.weight": torch.randn(37, 64),
+        },
+        "int8",
+    )
     named = payload.named_tensors(tensors, "int8")
     cap = 10_000
     bs = payload.buckets(named, cap)
@@ -176,7 +238,7 @@ def test_buckets_cap_size_keep_pairs_and_align_offsets():
         offset = 0
         for name, t in b:  # the bytes of each tensor sit at an offset aligned to its itemsize
             assert offset % t.element_size() == 0
-            back = flat[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            back = flat[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             assert torch.equal(back, t), name
             offset += t.numel() * t.element_size()
     with pytest.raises(ValueError, match="multiple of"):
@@ -194,8 +256,15 @@ def test_pushes_are_checked_against_the_checkpoint(tiny_model):
         expected = se.expected_tensors(tiny_model, scheme)
         push = quantize_state_dict(sd, scheme)
         se.check_push(expected, push)  # exactly the learner's push passes
-        se.check_push(expected, {k: v.float() for k, v in push.items() if v.is_floating_point() and "scale" not in k
-                                 and not k.endswith("proj.weight")}, partial=True)  # any float dtype for the rest
+        se.check_push(
+            expected,
+            {
+                k: v.float()
+                for k, v in push.items()
+                if v.is_floating_point() and "scale" not in k and not k.endswith("proj.weight")
+            },
+            partial=True,
+        )  # any float dtype for the rest
     expected = se.expected_tensors(tiny_model, "int8")
     push = quantize_state_dict(sd, "int8")
     with pytest.raises(ValueError, match="missing tensor 'model.embed_tokens.weight'"):
@@ -205,7 +274,9 @@ def test_pushes_are_checked_against_the_checkpoint(tiny_model):
     name = "model.layers.1.mlp.down_proj.weight"
     with pytest.raises(ValueError, match=f"{name} is torch.bfloat16 .* the engine loads torch.int8"):
         se.check_push(expected, dict(push, **{name: sd[name]}))
-    with pytest.raises(ValueError, match="weight_scale is torch.float32 \\(256, 1\\), the engine loads torch.float32 \\(512, 1\\)"):
+    with pytest.raises(
+        ValueError, match="weight_scale is torch.float32 \\(256, 1\\), the engine loads torch.float32 \\(512, 1\\)"
+    ):
         se.check_push(expected, {"model.layers.0.mlp.gate_proj.weight_scale": torch.ones(256, 1)}, partial=True)
 
 
@@ -249,11 +320,24 @@ def small_demo(tmp_path_factory):
 def test_rollout_server_with_sglang_engine_fails_at_start_with_one_line(small_demo):
     demo_dir = small_demo
     server = str(Path(sys.executable).parent / "qurl-rollout-server")
-    out = subprocess.run([server, "--config", str(ROOT / "configs/demo-cpu.yaml"), f"model.path={demo_dir / 'model'}",
-                          f"data.train_files=[{demo_dir / 'train.jsonl'}]", "data.eval_files=[]",
-                          "rollout.engine=sglang", "rollout.dtype=bfloat16", "transport.trajectories=tcp://127.0.0.1:9",
-                          "transport.weights=tcp://127.0.0.1:9", "transport.control=tcp://127.0.0.1:9"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            server,
+            "--config",
+            str(ROOT / "configs/demo-cpu.yaml"),
+            f"model.path={demo_dir / 'model'}",
+            f"data.train_files=[{demo_dir / 'train.jsonl'}]",
+            "data.eval_files=[]",
+            "rollout.engine=sglang",
+            "rollout.dtype=bfloat16",
+            "transport.trajectories=tcp://127.0.0.1:9",
+            "transport.weights=tcp://127.0.0.1:9",
+            "transport.control=tcp://127.0.0.1:9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2  # EXIT_INPUT: qurl-async does not restart it
     assert out.stderr.strip() == f"qurl-rollout-server: {se.INSTALL_HINT}"
 
@@ -269,8 +353,16 @@ def test_engine_args_resolve_to_a_valid_server_args(sg, tiny_model, scheme, tp):
     from sglang.srt.model_loader.loader import _get_quantization_config
     from sglang.srt.server_args import ServerArgs
 
-    args = se.engine_args(tiny_model, scheme=scheme, dtype="bfloat16", tp_size=tp, gpus=list(range(2, 2 + tp)),
-                          max_batch=16, max_seq_len=512, seed=1)
+    args = sargs.engine_args(
+        tiny_model,
+        scheme=scheme,
+        dtype="bfloat16",
+        tp_size=tp,
+        gpus=list(range(2, 2 + tp)),
+        max_batch=16,
+        max_seq_len=512,
+        seed=1,
+    )
     sa = ServerArgs(**args)
     sa.resolve_once()  # SGLang's whole resolution pipeline: hooks, model config, validation
     got = sa.resolved_dict()
@@ -292,10 +384,13 @@ def test_request_dicts_pass_sglang_normalisation(sg):
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.sampling.sampling_params import TOP_K_ALL, SamplingParams
 
-    for req in (GenRequest(prompt_ids=[5, 6, 7], n=4, max_new_tokens=9, temperature=0.7, top_p=0.9, top_k=20,
-                           stop_token_ids=[2, 3]),
-                GenRequest(prompt_ids=[5], n=1, max_new_tokens=3, temperature=0.0),
-                GenRequest(prompt_ids=[1, 2], n=2, max_new_tokens=5, top_k=-1)):
+    for req in (
+        GenRequest(
+            prompt_ids=[5, 6, 7], n=4, max_new_tokens=9, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[2, 3]
+        ),
+        GenRequest(prompt_ids=[5], n=1, max_new_tokens=3, temperature=0.0),
+        GenRequest(prompt_ids=[1, 2], n=2, max_new_tokens=5, top_k=-1),
+    ):
         obj = GenerateReqInput(**se.request_dict(req))
         obj.normalize_batch_and_arguments()
         assert obj.parallel_sample_num == req.n
@@ -318,14 +413,20 @@ def test_request_dicts_pass_sglang_normalisation(sg):
 @needs_sglang
 def test_parse_output_reads_sglang_built_meta_info(sg):
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, FINISH_MATCHED_TOKEN
-    from sglang.srt.utils.weight_versions import (WeightVersionEvent, add_weight_versions_to_meta_info,
-                                                  compute_weight_version_spans)
+    from sglang.srt.utils.weight_versions import (
+        WeightVersionEvent,
+        add_weight_versions_to_meta_info,
+        compute_weight_version_spans,
+    )
 
     tokens = [(-0.25, 9, None), (-1.5, 4, None), (-0.75, 8, None), (-0.5, 2, None)]
     # a request that saw two updates: 3 -> 4 after its first token, 4 -> 5 after its third
     spans = compute_weight_version_spans([WeightVersionEvent("3", 1), WeightVersionEvent("4", 3)], "5", 4)
-    meta = {"finish_reason": FINISH_MATCHED_TOKEN(matched=2).to_json(), "weight_version": "5",
-            "output_token_logprobs": tokens}
+    meta = {
+        "finish_reason": FINISH_MATCHED_TOKEN(matched=2).to_json(),
+        "weight_version": "5",
+        "output_token_logprobs": tokens,
+    }
     add_weight_versions_to_meta_info(meta, spans, num_output_tokens=4)
     s = se.parse_output({"output_ids": [9, 4, 8, 2], "meta_info": meta})
     assert s.versions == [3, 4, 4, 5] and s.token_ids == [9, 4, 8, 2] and s.finish_reason == "stop"
@@ -338,8 +439,11 @@ def test_payloads_round_trip_through_sglang_buckets_and_serializer(sg):
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    full = {**layer_tensors("model.layers.0", 256, 4, 2, 64, 384), "model.norm.weight": torch.ones(256),
-            "model.layers.0.self_attn.q_proj.bias": torch.randn(256, dtype=torch.bfloat16)}
+    full = {
+        **layer_tensors("model.layers.0", 256, 4, 2, 64, 384),
+        "model.norm.weight": torch.ones(256),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(256, dtype=torch.bfloat16),
+    }
     for scheme in ("fp8-block", "int8"):
         named = payload.named_tensors(quantize_state_dict(full, scheme), scheme)
         bs = payload.buckets(named, 200_000)
@@ -374,8 +478,9 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 128
 PREFIX = "model.layers.0"
 
 
-def sglang_layer(quant_config, tp: int, rank: int, hidden=HIDDEN, heads=HEADS, kv=KV_HEADS, head_dim=HEAD_DIM,
-                 inter=INTER):
+def sglang_layer(
+    quant_config, tp: int, rank: int, hidden=HIDDEN, heads=HEADS, kv=KV_HEADS, head_dim=HEAD_DIM, inter=INTER
+):
     """One decoder layer's projections built from SGLang's own layer classes, named as SGLang's Qwen2 names them."""
     from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
     from sglang.srt.runtime_context import get_parallel
@@ -383,14 +488,35 @@ def sglang_layer(quant_config, tp: int, rank: int, hidden=HIDDEN, heads=HEADS, k
     dtype = torch.bfloat16
     with get_parallel().override(tp_size=tp, tp_rank=rank):
         attn, mlp = torch.nn.Module(), torch.nn.Module()
-        attn.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv, bias=False, quant_config=quant_config,
-                                          prefix=f"{PREFIX}.self_attn.qkv_proj", params_dtype=dtype)
-        attn.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=False, quant_config=quant_config,
-                                        prefix=f"{PREFIX}.self_attn.o_proj", params_dtype=dtype)
-        mlp.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=False, quant_config=quant_config,
-                                                      prefix=f"{PREFIX}.mlp.gate_up_proj", params_dtype=dtype)
-        mlp.down_proj = RowParallelLinear(inter, hidden, bias=False, quant_config=quant_config,
-                                          prefix=f"{PREFIX}.mlp.down_proj", params_dtype=dtype)
+        attn.qkv_proj = QKVParallelLinear(
+            hidden,
+            head_dim,
+            heads,
+            kv,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{PREFIX}.self_attn.qkv_proj",
+            params_dtype=dtype,
+        )
+        attn.o_proj = RowParallelLinear(
+            heads * head_dim,
+            hidden,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{PREFIX}.self_attn.o_proj",
+            params_dtype=dtype,
+        )
+        mlp.gate_up_proj = MergedColumnParallelLinear(
+            hidden,
+            [inter, inter],
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{PREFIX}.mlp.gate_up_proj",
+            params_dtype=dtype,
+        )
+        mlp.down_proj = RowParallelLinear(
+            inter, hidden, bias=False, quant_config=quant_config, prefix=f"{PREFIX}.mlp.down_proj", params_dtype=dtype
+        )
     layer = torch.nn.Module()
     layer.self_attn, layer.mlp = attn, mlp
     model, decoder = torch.nn.Module(), torch.nn.Module()
@@ -410,15 +536,22 @@ def int8_engine_state(model):
 
 def expected_int8_shard(q, rank, tp):
     """The local int8 storage a rank must hold: SGLang's fused order q|k|v and gate|up, TP slices of each."""
+
     def part(proj, what):
         name = f"{PREFIX}.{proj}.weight" + ("_scale" if what == "scale" else "")
         return rank_slice(name, q[name], rank, tp, KV_HEADS)
 
     out = {}
-    for fused, projs in (("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-                         ("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
-                         ("self_attn.o_proj", ["self_attn.o_proj"]), ("mlp.down_proj", ["mlp.down_proj"])):
-        out[f"{PREFIX}.{fused}"] = (torch.cat([part(p, "w") for p in projs]), torch.cat([part(p, "scale") for p in projs]))
+    for fused, projs in (
+        ("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+        ("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
+        ("self_attn.o_proj", ["self_attn.o_proj"]),
+        ("mlp.down_proj", ["mlp.down_proj"]),
+    ):
+        out[f"{PREFIX}.{fused}"] = (
+            torch.cat([part(p, "w") for p in projs]),
+            torch.cat([part(p, "scale") for p in projs]),
+        )
     return out
 
 
@@ -429,8 +562,17 @@ def int8_context(sg, tiny_model):
     from sglang.srt.server_args import ServerArgs
 
     def make(tp: int):
-        sa = ServerArgs(**se.engine_args(tiny_model, scheme="int8", dtype="bfloat16", tp_size=tp, gpus=list(range(tp)),
-                                         max_batch=8, max_seq_len=256))
+        sa = ServerArgs(
+            **sargs.engine_args(
+                tiny_model,
+                scheme="int8",
+                dtype="bfloat16",
+                tp_size=tp,
+                gpus=list(range(tp)),
+                max_batch=8,
+                max_seq_len=256,
+            )
+        )
         sa.resolve_once()
         return create_context(sa, role="test")
 
@@ -471,8 +613,9 @@ def test_int8_loader_refits_sglang_w8a8_layers_through_its_weight_updater(sg, in
         if version == 2:  # bf16 weights: the loader quantizes them with qurl.quant.quantize_int8
             full = {n: t.to(torch.bfloat16) for n, t in full.items()}
         pushed = quantize_state_dict(full, "int8") if version == 1 else full
-        request = se.tensor_update_request(payload.serialize_named(list(pushed.items()), tp), LOADER_PATH,
-                                           last=True, version=version)
+        request = se.tensor_update_request(
+            payload.serialize_named(list(pushed.items()), tp), LOADER_PATH, last=True, version=version
+        )
         assert request.load_format == LOADER_PATH and request.weight_version == str(version)
         pushes.append((request, quantize_state_dict(full, "int8")))
     context = int8_context(tp)
@@ -486,16 +629,26 @@ def test_int8_loader_refits_sglang_w8a8_layers_through_its_weight_updater(sg, in
         layers = [m for m in model.modules() if hasattr(m, "weight_scale")]
         assert len(layers) == 4 and all(is_kernel_layout(m) for m in layers)
         storage = [(m.weight.data_ptr(), m.weight_scale.data_ptr()) for m in layers]
-        updater = WeightUpdater(tp_rank=rank, device="cpu", gpu_id=0, model_config=None,
-                                custom_weight_loaders=[LOADER_PATH], get_model=lambda: model, update_model_fields=None,
-                                recapture_cuda_graph=None, get_model_runner=None)
+        updater = WeightUpdater(
+            tp_rank=rank,
+            device="cpu",
+            gpu_id=0,
+            model_config=None,
+            custom_weight_loaders=[LOADER_PATH],
+            get_model=lambda: model,
+            update_model_fields=None,
+            recapture_cuda_graph=None,
+            get_model_runner=None,
+        )
         for request, reference in pushes:  # the second refit meets the first one's state
             want = expected_int8_shard(reference, rank, tp)
             with use_context(context), get_parallel().override(tp_rank=rank):
                 updater.begin_weight_update()
                 named = MultiprocessingSerializer.deserialize(request.serialized_named_tensors[rank])
                 assert updater.update_weights_from_tensor(named_tensors=named, load_format=request.load_format) == (
-                    True, "Success")
+                    True,
+                    "Success",
+                )
                 check_int8(model, want, "before end_weight_update")
                 updater.end_weight_update(run_post_load=False)  # re-runs process_weights_after_loading
             check_int8(model, want, "after end_weight_update")
@@ -555,9 +708,12 @@ def test_fp8_block_payload_refits_sglang_fp8_layers_in_place(sg):
                         m.quant_method.process_weights_after_loading(m)
                 storage = {n: p.data_ptr() for n, p in model.named_parameters()}
             assert {n: p.data_ptr() for n, p in model.named_parameters()} == storage
-            for fused, projs in (("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]),
-                                 ("mlp.gate_up_proj", ["gate_proj", "up_proj"]), ("self_attn.o_proj", ["o_proj"]),
-                                 ("mlp.down_proj", ["down_proj"])):
+            for fused, projs in (
+                ("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]),
+                ("mlp.gate_up_proj", ["gate_proj", "up_proj"]),
+                ("self_attn.o_proj", ["o_proj"]),
+                ("mlp.down_proj", ["down_proj"]),
+            ):
                 m = model.get_submodule(f"{PREFIX}.{fused}")
                 group = fused.split(".")[0]
                 names = [f"{PREFIX}.{group}.{p}.weight" for p in projs]
@@ -565,8 +721,10 @@ def test_fp8_block_payload_refits_sglang_fp8_layers_in_place(sg):
                 scales = torch.cat([rank_slice(n, pushed[n + "_scale_inv"], rank, tp, kv) for n in names])
                 assert torch.equal(m.weight.view(torch.uint8), codes.view(torch.uint8)), fused
                 assert torch.equal(m.weight_scale_inv, scales), fused
-                assert tuple(m.weight_scale_inv.shape) == (math.ceil(m.weight.shape[0] / 128),
-                                                           math.ceil(m.weight.shape[1] / 128))
+                assert tuple(m.weight_scale_inv.shape) == (
+                    math.ceil(m.weight.shape[0] / 128),
+                    math.ceil(m.weight.shape[1] / 128),
+                )
 
 
 @needs_sglang
@@ -583,8 +741,15 @@ def test_learner_nccl_push_reaches_a_replica_through_sglang_distributed_receive(
     out = tmp_path / "received.pt"
     child = subprocess.Popen([sys.executable, __file__, "--replica", str(spec), str(out)])
     try:
-        push = NcclPush(sender, "fp8-block", torch.device("cpu"), f"tcp://127.0.0.1:{port}", replicas=1, tp_size=1,
-                        bucket_bytes=200_000)
+        push = NcclPush(
+            sender,
+            "fp8-block",
+            torch.device("cpu"),
+            f"tcp://127.0.0.1:{port}",
+            replicas=1,
+            tp_size=1,
+            bucket_bytes=200_000,
+        )
         push.open()  # returns once the replica has joined (it subscribed to the weights first)
         time.sleep(0.5)  # PUB/SUB: let the subscription land
         stats = push.publish(3, pushed)
@@ -604,28 +769,50 @@ def _replica_main(spec_path: str, out_path: str) -> None:
     """Child side of the test above: subscribe, join the group with SGLang's WeightUpdater, receive per the ref."""
     import torch.distributed as dist
     import zmq
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     from qurl import transport
     from qurl.protocol import WeightRef
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     spec = json.loads(Path(spec_path).read_text())
     ctx = zmq.Context()
-    rx = transport.Receiver(transport.connect(ctx, zmq.SUB, spec["weights"], max_bytes=1 << 30), secret=b"k",
-                            max_bytes=1 << 30, kinds=("weight_push", "weight_ref"))
+    rx = transport.Receiver(
+        transport.connect(ctx, zmq.SUB, spec["weights"], max_bytes=1 << 30),
+        secret=b"k",
+        max_bytes=1 << 30,
+        kinds=("weight_push", "weight_ref"),
+    )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)  # the replica's own (TP) world
-    updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-                            get_model=None, update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None)
+    updater = WeightUpdater(
+        tp_rank=0,
+        device="cpu",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders={},
+        get_model=None,
+        update_model_fields=None,
+        recapture_cuda_graph=None,
+        get_model_runner=None,
+    )
     world, offsets = payload.update_group_layout(1, 1)
-    ok, msg = updater.init_weights_update_group("127.0.0.1", spec["port"], rank_offset=offsets[0], world_size=world,
-                                                group_name=payload.GROUP_NAME, backend="gloo")
+    ok, msg = updater.init_weights_update_group(
+        "127.0.0.1",
+        spec["port"],
+        rank_offset=offsets[0],
+        world_size=world,
+        group_name=payload.GROUP_NAME,
+        backend="gloo",
+    )
     assert ok, msg
     ref = rx.recv(timeout_ms=60_000)
     assert isinstance(ref, WeightRef) and ref.transport == "nccl", ref
-    received = [updater.receive_weights_from_distributed(names=n, dtypes=d, shapes=s, group_name=payload.GROUP_NAME,
-                                                         load_format="flattened_bucket")
-                for n, d, s in ref.buckets]
+    received = [
+        updater.receive_weights_from_distributed(
+            names=n, dtypes=d, shapes=s, group_name=payload.GROUP_NAME, load_format="flattened_bucket"
+        )
+        for n, d, s in ref.buckets
+    ]
     torch.save((ref.version, [[(name, t.clone()) for name, t in bucket] for bucket in received]), out_path)
     ctx.destroy(linger=0)
 
@@ -636,17 +823,21 @@ def test_learner_ipc_push_rewrites_its_buffers_and_payloads_open_in_sglang(sg, w
     WeightRef; SGLang's allow-list unpickler opens each as the pushed (name, tensor) pairs; a second push rewrites
     the same buffers once the servers report the first version."""
     import zmq
+    from sglang.srt.utils import MultiprocessingSerializer
 
-    from learner.push_transport import IpcPush
     from learner.control_plane import ServerInfo
+    from learner.push_transport import IpcPush
     from qurl import transport
     from qurl.protocol import WeightRef
     from rollout_server.weight_refs import apply_ref
-    from sglang.srt.utils import MultiprocessingSerializer
 
     sender, endpoint, ctx = weight_hub
-    rx = transport.Receiver(transport.connect(ctx, zmq.SUB, endpoint, max_bytes=1 << 30), secret=b"k",
-                            max_bytes=1 << 30, kinds=("weight_ref",))
+    rx = transport.Receiver(
+        transport.connect(ctx, zmq.SUB, endpoint, max_bytes=1 << 30),
+        secret=b"k",
+        max_bytes=1 << 30,
+        kinds=("weight_ref",),
+    )
     time.sleep(0.3)
     push = IpcPush(sender, "int8", torch.device("cpu"), ranks=4, bucket_bytes=200_000, ack_timeout_s=0.2)
     sets = None
@@ -708,41 +899,51 @@ def test_a_context_past_the_models_positions_is_refused_at_start_and_the_recipes
     for recipe, limit in positions.items():
         cfg = load_config(str(ROOT / recipe), check_paths=False)
         assert get(cfg, "rollout.max_seq_len") <= limit, recipe
-        assert get(cfg, "data.max_prompt_len") + get(cfg, "rollout.sampling.max_new_tokens") <= \
-            get(cfg, "rollout.max_seq_len"), recipe
+        assert get(cfg, "data.max_prompt_len") + get(cfg, "rollout.sampling.max_new_tokens") <= get(
+            cfg, "rollout.max_seq_len"
+        ), recipe
 
 
 def test_fp8_refits_are_refused_off_hopper_and_logprob_switches_are_refused():
-    assert se.fp8_refit_problem((9, 0)) is None
+    assert sargs.fp8_refit_problem((9, 0)) is None
     for cap, why in (((10, 0), "DeepGEMM"), ((12, 0), "DeepGEMM"), ((8, 9), "Marlin"), ((8, 0), "Marlin")):
-        problem = se.fp8_refit_problem(cap)
+        problem = sargs.fp8_refit_problem(cap)
         assert why in problem and f"SM{cap[0]}{cap[1]}" in problem and "\n" not in problem
     common = dict(dtype="bfloat16", tp_size=1, gpus=[0], max_batch=8, max_seq_len=64)
     with pytest.raises(ValueError, match="rl_on_policy_target"):
-        se.engine_args("/m", scheme="none", server_args={"rl_on_policy_target": "fsdp"}, **common)
+        sargs.engine_args("/m", scheme="none", server_args={"rl_on_policy_target": "fsdp"}, **common)
     os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
     try:
         with pytest.raises(ValueError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
-            se.engine_args("/m", scheme="none", **common)
+            sargs.engine_args("/m", scheme="none", **common)
     finally:
         del os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"]
     with pytest.raises(ValueError, match="bfloat16"):
-        se.engine_args("/m", scheme="int8", **{**common, "dtype": "float32"})
+        sargs.engine_args("/m", scheme="int8", **{**common, "dtype": "float32"})
 
 
 def test_server_args_merge_into_the_fp8_override_and_loader_lists():
     common = dict(dtype="bfloat16", tp_size=1, gpus=[0], max_batch=8, max_seq_len=64)
-    args = se.engine_args("/m", scheme="fp8-block", server_args={
-        "json_model_override_args": json.dumps({"rope_theta": 1e6}), "custom_weight_loader": ["my.loader"],
-        "cuda_graph_max_bs_decode": 8}, **common)
-    assert json.loads(args["json_model_override_args"]) == {"rope_theta": 1e6,
-                                                            "quantization_config": se.FP8_BLOCK_CONFIG}
+    args = sargs.engine_args(
+        "/m",
+        scheme="fp8-block",
+        server_args={
+            "json_model_override_args": json.dumps({"rope_theta": 1e6}),
+            "custom_weight_loader": ["my.loader"],
+            "cuda_graph_max_bs_decode": 8,
+        },
+        **common,
+    )
+    assert json.loads(args["json_model_override_args"]) == {
+        "rope_theta": 1e6,
+        "quantization_config": sargs.FP8_BLOCK_CONFIG,
+    }
     assert args["custom_weight_loader"] == [se.FP8_LOADER_PATH, "my.loader"] and args["cuda_graph_max_bs_decode"] == 8
-    cpu = se.engine_args("/m", scheme="none", **{**common, "gpus": None, "dtype": "float32"})
+    cpu = sargs.engine_args("/m", scheme="none", **{**common, "gpus": None, "dtype": "float32"})
     assert (cpu["device"], cpu["attention_backend"], cpu["disable_cuda_graph"]) == ("cpu", "torch_native", True)
     assert cpu["max_total_tokens"] == 8 * 64 and "base_gpu_id" not in cpu
     with pytest.raises(ValueError, match="JSON object"):
-        se.engine_args("/m", scheme="none", server_args={"json_model_override_args": "[1]"}, **common)
+        sargs.engine_args("/m", scheme="none", server_args={"json_model_override_args": "[1]"}, **common)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--replica"]:

@@ -8,6 +8,7 @@ allow-list unpickler. The stand-ins (test support in tests/sglang_cpu): the `sgl
 helper, the rest raise) and, for INT8 / FP8, the post-load step and the matmul of the two quantized linear
 methods (the CUDA branch's layout, then a dequantize + plain matmul of the layer's stored codes).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(os.environ.get("SGLANG_USE_CPU_ENGINE") != "1",
-                                reason="needs make test-sglang (SGLANG_USE_CPU_ENGINE=1 and tests/sglang_cpu)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("SGLANG_USE_CPU_ENGINE") != "1",
+    reason="needs make test-sglang (SGLANG_USE_CPU_ENGINE=1 and tests/sglang_cpu)",
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,9 +33,19 @@ from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 STORAGE_LOADER = "cpu_quant.record_storage"  # test support: writes the quantized layers' data pointers to a file
 # peaked logits (std ~3) so that wrong weights move logprobs by nats; no EOS, samples end at max_new_tokens
-ARCH = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=None,
-            bos_token_id=None, initializer_range=0.2)
+ARCH = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    eos_token_id=None,
+    bos_token_id=None,
+    initializer_range=0.2,
+)
 PROMPTS = [[11, 27, 300, 5], [400, 2, 2, 97, 150, 8], [33]]
 # bf16 engines against an fp32 reference of the same (dequantized) weights: bf16 activations and KV cache round
 # every op to 8 mantissa bits; measured here mean |gap| 0.04-0.06 and max 0.3-0.75 nats per token, while the
@@ -41,8 +54,10 @@ BF16_MEAN_GAP, BF16_MAX_GAP, WRONG_MEAN_GAP = 0.15, 1.5, 1.0
 
 
 def build(path: Path, arch: str, seed: int) -> Path:
-    cls, cfg = {"qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
-                "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig)}[arch]
+    cls, cfg = {
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+    }[arch]
     torch.manual_seed(seed)
     cls(cfg(**ARCH)).save_pretrained(path)
     return path
@@ -65,7 +80,7 @@ def reference_logprobs(path: Path, state: dict[str, torch.Tensor], prompt: list[
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     model.tie_weights()
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
     return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
@@ -112,8 +127,9 @@ class TestUnquantized:
 
     @pytest.fixture(scope="class")
     def engine(self, qwen):
-        engine = load_engine(str(qwen), engine="sglang", quant="none", dtype="float32", device="cpu",
-                             max_batch=16, max_seq_len=128)
+        engine = load_engine(
+            str(qwen), engine="sglang", quant="none", dtype="float32", device="cpu", max_batch=16, max_seq_len=128
+        )
         yield engine
         engine.close()
 
@@ -130,14 +146,15 @@ class TestUnquantized:
         for req, res in zip(greedy(), engine.generate(greedy()), strict=True):
             model = transformers.AutoModelForCausalLM.from_pretrained(qwen)
             want = model.generate(torch.tensor([req.prompt_ids]), max_new_tokens=12, do_sample=False)[0]
-            assert res.samples[0].token_ids == want[len(req.prompt_ids):].tolist()
+            assert res.samples[0].token_ids == want[len(req.prompt_ids) :].tolist()
 
     def test_stop_tokens_end_a_sample_with_the_stop_token(self, engine):
         first = engine.generate(greedy())[0].samples[0].token_ids
         stop = first[4]
-        out = engine.generate([GenRequest(prompt_ids=PROMPTS[0], n=1, max_new_tokens=12, temperature=0.0,
-                                          stop_token_ids=[stop])])[0].samples[0]
-        assert out.finish_reason == "stop" and out.token_ids == first[:first.index(stop) + 1]
+        out = engine.generate(
+            [GenRequest(prompt_ids=PROMPTS[0], n=1, max_new_tokens=12, temperature=0.0, stop_token_ids=[stop])]
+        )[0].samples[0]
+        assert out.finish_reason == "stop" and out.token_ids == first[: first.index(stop) + 1]
 
     def test_refit_with_generation_in_flight_then_outputs_follow_the_pushed_weights(self, engine, qwen):
         new = perturbed(weights(qwen), seed=1)
@@ -166,8 +183,9 @@ class TestUnquantized:
 
 
 def test_llama_greedy_and_logprobs_equal_transformers(llama):
-    engine = load_engine(str(llama), engine="sglang", quant="none", dtype="float32", device="cpu",
-                         max_batch=8, max_seq_len=128)
+    engine = load_engine(
+        str(llama), engine="sglang", quant="none", dtype="float32", device="cpu", max_batch=8, max_seq_len=128
+    )
     try:
         assert max(gaps(engine, llama, weights(llama), greedy() + sampled())) < 1e-4
     finally:
@@ -180,9 +198,17 @@ def test_quantized_version_zero_pushes_and_deltas_land_in_place(scheme, qwen, tm
     from rollout_server.engines.sglang_engine import SGLangEngine
 
     os.environ["QURL_TEST_STORAGE_FILE"] = str(tmp_path / "storage.json")
-    engine = SGLangEngine.from_pretrained(str(qwen), quant=scheme, dtype="bfloat16", device="cpu", max_batch=16,
-                                          max_seq_len=128, server_args={"custom_weight_loader": [STORAGE_LOADER]})
+    engine = SGLangEngine.from_pretrained(
+        str(qwen),
+        quant=scheme,
+        dtype="bfloat16",
+        device="cpu",
+        max_batch=16,
+        max_seq_len=128,
+        server_args={"custom_weight_loader": [STORAGE_LOADER]},
+    )
     try:
+
         def check(state, other):
             held = dequantize_state_dict(quantize_state_dict(state, scheme), scheme)
             g = gaps(engine, qwen, held, sampled())
@@ -236,8 +262,10 @@ def test_qurl_async_with_sglang_int8_pushes_through_our_loader(demo_dir, tmp_pat
     from qurl.report import read_metrics
 
     run_dir = tmp_path / "sgl-int8"
-    code, out = finish(start(demo_dir, run_dir, 3, "rollout.engine=sglang", "rollout.quant=int8",
-                             "rollout.dtype=bfloat16"), timeout=600)
+    code, out = finish(
+        start(demo_dir, run_dir, 3, "rollout.engine=sglang", "rollout.quant=int8", "rollout.dtype=bfloat16"),
+        timeout=600,
+    )
     assert code == 0, out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["books"]["balanced"]
@@ -254,9 +282,13 @@ def test_the_gpu_check_script_rehearses_every_step_on_cpu(tmp_path):
     import sys
 
     out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check_sglang.py", "--device", "cpu", "--quick",
-                           "--out", str(out)], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check_sglang.py", "--device", "cpu", "--quick", "--out", str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.exists(), proc.stderr[-3000:]
     rows = {r["scheme"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"none", "fp8-block", "int8"}

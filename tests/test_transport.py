@@ -27,7 +27,10 @@ WAIT_MS = 5000
 
 def group() -> TrajectoryGroup:
     return TrajectoryGroup(
-        prompt_id="p1", group_id="g1", server_id="srv", prompt_ids=[1, 2, 3],
+        prompt_id="p1",
+        group_id="g1",
+        server_id="srv",
+        prompt_ids=[1, 2, 3],
         samples=(Sample([4, 5], [-0.5, -1.0], [0, 0], 1.0, "stop"),),
     )
 
@@ -88,8 +91,7 @@ def test_push_pull_round_trip_and_counts(ctx, caplog):
     with caplog.at_level(logging.WARNING, logger="qurl.transport"):
         push.send_multipart([b"not json"])
         transport.Sender(push, "srv", secret=b"wrong").send(group())
-        push.send_multipart(encode(group(), sender="srv", session=tx.session, seq=0,
-                                   secret=SECRET))  # replay of seq 0
+        push.send_multipart(encode(group(), sender="srv", session=tx.session, seq=0, secret=SECRET))  # replay of seq 0
         for _ in range(3):
             assert rx.recv(timeout_ms=WAIT_MS) is None
     assert rx.counts() == {"accepted": 1, "rejected": {"BadAuth": 2, "Replay": 1}}
@@ -136,8 +138,9 @@ def test_pub_sub_weight_push(ctx):
     rx = transport.Receiver(sub, secret=SECRET, max_bytes=MAX, kinds=("weight_push",))
     tx = transport.Sender(pub, "learner", secret=SECRET)
     w = torch.randn(64, 32).bfloat16()
-    push = WeightPush(version=2, scheme="bf16", bucket_bytes=2048,
-                      tensors={"w": from_torch(w), "b": from_torch(torch.arange(7.0))})
+    push = WeightPush(
+        version=2, scheme="bf16", bucket_bytes=2048, tensors={"w": from_torch(w), "b": from_torch(torch.arange(7.0))}
+    )
     got = None
     deadline = time.monotonic() + 10
     while got is None and time.monotonic() < deadline:  # slow joiner: resend until subscribed
@@ -168,8 +171,9 @@ while True:
 
 def _signed(frames_edit, seq):
     """A correctly signed message whose content is broken by frames_edit."""
-    frames = [bytes(memoryview(f).cast("B"))
-              for f in encode(group(), sender="fuzz", session="f1", seq=seq, secret=SECRET)][:-1]
+    frames = [
+        bytes(memoryview(f).cast("B")) for f in encode(group(), sender="fuzz", session="f1", seq=seq, secret=SECRET)
+    ][:-1]
     frames = frames_edit(frames)
     return [*frames, mac(SECRET, frames)]
 
@@ -188,8 +192,14 @@ def _positive_logprob(frames):
 def test_live_receiver_survives_garbage(ctx):
     """A real process counts every bad message, keeps running, then takes valid ones."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, SECRET.hex()], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, SECRET.hex()],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         endpoint = proc.stdout.readline().strip()
         assert endpoint.startswith("tcp://127.0.0.1:"), proc.stderr.read()
@@ -203,8 +213,7 @@ def test_live_receiver_survives_garbage(ctx):
             expected[error] += 1
 
         for _ in range(40):  # random bytes in random frame counts
-            send([rng.bytes(int(rng.integers(0, 2000))) for _ in range(rng.integers(1, 5))],
-                 "BadAuth")
+            send([rng.bytes(int(rng.integers(0, 2000))) for _ in range(rng.integers(1, 5))], "BadAuth")
         send(encode(status(), sender="x", session="s", seq=0, secret=None), "BadAuth")
         send(encode(status(), sender="x", session="s", seq=0, secret=b"guess"), "BadAuth")
         send([b"{}", *[bytes(30_000)] * 3], "TooLarge")  # each frame fits, the sum does not
@@ -250,8 +259,13 @@ def test_live_receiver_survives_garbage(ctx):
 @pytest.mark.timeout(180)
 def test_wire_benchmark_quick(tmp_path):
     out = tmp_path / "wire.json"
-    res = subprocess.run([sys.executable, "benchmarks/wire.py", "--quick", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=170)
+    res = subprocess.run(
+        [sys.executable, "benchmarks/wire.py", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     printed, written = json.loads(res.stdout), json.loads(out.read_text())
     assert printed == written
@@ -259,7 +273,8 @@ def test_wire_benchmark_quick(tmp_path):
     assert set(written["machine"]) >= {"cpu", "cores", "gpu", "torch", "python"}
     rows = written["rows"]
     assert {(r["case"], r["path"], r["hmac"]) for r in rows} == {
-        (c, p, h) for c in ("trajectory", "weight_push")
+        (c, p, h)
+        for c in ("trajectory", "weight_push")
         for p, h in (("raw_zmq", False), ("protocol", False), ("protocol", True))
     }
     for r in rows:
@@ -269,9 +284,10 @@ def test_wire_benchmark_quick(tmp_path):
     assert all(r["msgs_per_s"] > 0 and r["samples"] == 8 and r["tokens"] == 256 for r in traj)
     raw = next(r for r in traj if r["path"] == "raw_zmq")
     proto = next(r for r in traj if r["path"] == "protocol" and not r["hmac"])
-    assert written["ratios"]["trajectory_protocol_vs_raw"] == pytest.approx(
-        proto["msgs_per_s"] / raw["msgs_per_s"])
+    assert written["ratios"]["trajectory_protocol_vs_raw"] == pytest.approx(proto["msgs_per_s"] / raw["msgs_per_s"])
     assert set(written["ratios"]) == {
-        "trajectory_protocol_vs_raw", "trajectory_protocol_hmac_vs_raw",
-        "weight_push_protocol_vs_raw", "weight_push_protocol_hmac_vs_raw",
+        "trajectory_protocol_vs_raw",
+        "trajectory_protocol_hmac_vs_raw",
+        "weight_push_protocol_vs_raw",
+        "weight_push_protocol_hmac_vs_raw",
     }

@@ -105,8 +105,14 @@ def chat_prompts(tokenizer: PreTrainedTokenizerBase, problems: list[str]) -> lis
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, problems: list[str],
-                    answers: list[str], batch_size: int = 256, max_new_tokens: int = 64) -> float:
+def greedy_accuracy(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: list[str],
+    answers: list[str],
+    batch_size: int = 256,
+    max_new_tokens: int = 64,
+) -> float:
     """Fraction of problems whose greedy response earns the arith reward (exact integer match)."""
     if len(problems) != len(answers) or not problems:
         raise ValueError(f"problems/answers: need equal non-zero lengths, got {len(problems)} and {len(answers)}")
@@ -118,8 +124,9 @@ def greedy_accuracy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
     return float(sum(arith_reward(t, a) for t, a in zip(texts, answers))) / len(problems)
 
 
-def _sft_tensors(tokenizer: PreTrainedTokenizerBase,
-                 examples: list[tasks.Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sft_tensors(
+    tokenizer: PreTrainedTokenizerBase, examples: list[tasks.Example]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids, labels masked to the response (+ end of turn), and lengths."""
     import torch
 
@@ -131,8 +138,8 @@ def _sft_tensors(tokenizer: PreTrainedTokenizerBase,
     ids = torch.full((len(seqs), width), pad)
     labels = torch.full((len(seqs), width), -100)
     for i, (p, s) in enumerate(zip(prompts, seqs)):
-        ids[i, :len(s)] = torch.tensor(s)
-        labels[i, len(p):len(s)] = ids[i, len(p):len(s)]
+        ids[i, : len(s)] = torch.tensor(s)
+        labels[i, len(p) : len(s)] = ids[i, len(p) : len(s)]
     return ids, labels, torch.tensor([len(s) for s in seqs])
 
 
@@ -157,17 +164,27 @@ def _build(out: Path, recipe: Recipe, progress: bool) -> dict:
     _write_jsonl(out / "heldout.jsonl", heldout)
 
     # One tokenizer for every task: trained on a fixed mix, so it does not depend on the recipe's task.
-    corpus = [f"<|im_start|>user\n{e.problem}<|im_end|>\n<|im_start|>assistant\n{e.response}<|im_end|>\n"
-              for t in tasks.TASKS for e in tasks.make_split(t, "train", 500, 0)]
+    corpus = [
+        f"<|im_start|>user\n{e.problem}<|im_end|>\n<|im_start|>assistant\n{e.response}<|im_end|>\n"
+        for t in tasks.TASKS
+        for e in tasks.make_split(t, "train", 500, 0)
+    ]
     tokenizer = save_tokenizer(train_tokenizer(corpus, recipe.vocab_size), out / "model")
     eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=recipe.hidden, intermediate_size=recipe.intermediate,
-        num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads, num_key_value_heads=recipe.kv_heads,
-        max_position_embeddings=recipe.max_positions, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden,
+        intermediate_size=recipe.intermediate,
+        num_hidden_layers=recipe.layers,
+        num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.kv_heads,
+        max_position_embeddings=recipe.max_positions,
+        tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
     )
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False)
@@ -192,16 +209,18 @@ def _build(out: Path, recipe: Recipe, progress: bool) -> dict:
         loss_value = loss.item()
         bar.update(1)
         if step % recipe.eval_every == 0 or step == recipe.max_steps:
-            dev_acc = greedy_accuracy(model, tokenizer, [e.problem for e in dev], [e.answer for e in dev],
-                                      max_new_tokens=max_new)
+            dev_acc = greedy_accuracy(
+                model, tokenizer, [e.problem for e in dev], [e.answer for e in dev], max_new_tokens=max_new
+            )
             history.append([step, round(loss_value, 4), dev_acc])
             bar.set_postfix(loss=f"{loss_value:.3f}", dev_acc=f"{dev_acc:.3f}")
             if dev_acc >= recipe.target_acc:
                 break
     bar.close()
     sft_s = time.perf_counter() - sft_start
-    base_acc = greedy_accuracy(model, tokenizer, [e.problem for e in heldout], [e.answer for e in heldout],
-                               max_new_tokens=max_new)
+    base_acc = greedy_accuracy(
+        model, tokenizer, [e.problem for e in heldout], [e.answer for e in heldout], max_new_tokens=max_new
+    )
     model.save_pretrained(out / "model")
     info = {
         "recipe": dataclasses.asdict(recipe),
@@ -228,8 +247,9 @@ def _build(out: Path, recipe: Recipe, progress: bool) -> dict:
     return info
 
 
-def prepare(root: str | Path | None = None, recipe: Recipe = Recipe(), threads: int | None = None,
-            progress: bool = True) -> dict:
+def prepare(
+    root: str | Path | None = None, recipe: Recipe = Recipe(), threads: int | None = None, progress: bool = True
+) -> dict:
     """Prepare the demo under root unless a folder built from the same recipe is already there."""
     if recipe.task not in tasks.TASKS:
         raise ValueError(f"task: unknown task {recipe.task!r}; allowed: {', '.join(tasks.TASKS)}")
@@ -276,10 +296,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", default="add", choices=tasks.TASKS)
     p.add_argument("--seed", type=int, default=Recipe.seed)
     p.add_argument("--max-steps", type=int, default=Recipe.max_steps, help="warm-start step limit")
-    p.add_argument("--target-acc", type=float, default=Recipe.target_acc,
-                   help="stop the warm start once dev greedy accuracy reaches this")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: all usable cores, fewer when the machine is busy)")
+    p.add_argument(
+        "--target-acc",
+        type=float,
+        default=Recipe.target_acc,
+        help="stop the warm start once dev greedy accuracy reaches this",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: all usable cores, fewer when the machine is busy)",
+    )
     args = p.parse_args(argv)
     if args.max_steps < 1:
         p.error(f"--max-steps: must be >= 1, got {args.max_steps}")
@@ -292,10 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     cached = read_info(root)
     info = prepare(root, recipe, threads=args.threads)
-    how = "cached" if cached is not None and cached.get("fingerprint") == info["fingerprint"] else (
-        f"built in {time.perf_counter() - t0:.0f} s, {info['steps']} warm-start steps")
-    print(f"demo {args.task} at {root} ({how}): base greedy held-out accuracy {info['base_acc_heldout']:.3f} "
-          f"on {info['heldout_size']} problems, {info['param_count']:,} params, vocab {info['vocab_size']}")
+    how = (
+        "cached"
+        if cached is not None and cached.get("fingerprint") == info["fingerprint"]
+        else (f"built in {time.perf_counter() - t0:.0f} s, {info['steps']} warm-start steps")
+    )
+    print(
+        f"demo {args.task} at {root} ({how}): base greedy held-out accuracy {info['base_acc_heldout']:.3f} "
+        f"on {info['heldout_size']} problems, {info['param_count']:,} params, vocab {info['vocab_size']}"
+    )
     return 0
 
 

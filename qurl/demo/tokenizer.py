@@ -32,9 +32,11 @@ CHAT_TEMPLATE = (
 _SPECIAL_SPLIT = re.compile("|".join(map(re.escape, SPECIAL_TOKENS)))
 # Words the data pipeline and users put around problems, so they do not spell out byte by byte.
 EXTRA_TEXT = [
-    "system", "user", "assistant",
+    "system",
+    "user",
+    "assistant",
     "Please reason step by step, and put your final answer within \\boxed{}.",
-    "Let's think step by step and output the final answer after \"####\".",
+    'Let\'s think step by step and output the final answer after "####".',
     "The answer is",
 ]
 
@@ -43,14 +45,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 384) -> Tokenizer:
     """Train a Qwen2-style byte-level BPE on texts (chat-formatted examples; specials allowed)."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     # The trainer does not isolate special tokens, so it must never see them.
     pieces = [p for t in texts for p in _SPECIAL_SPLIT.split(t) if p]
@@ -63,9 +70,16 @@ def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast  # heavy; callers that only read names skip it
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, unk_token=None, bos_token=None,
-        additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE, padding_side="left",
-        clean_up_tokenization_spaces=False, model_max_length=4096,
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD,
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
     )
 
 

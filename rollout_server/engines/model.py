@@ -1,4 +1,5 @@
 """Compact Llama / Qwen2 / Qwen3 decoder built from a Hugging Face folder, with KV-cache prefill and decode."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ class ModelConfig:
     qk_norm: bool
 
     @classmethod
-    def from_dir(cls, path: str) -> "ModelConfig":
+    def from_dir(cls, path: str) -> ModelConfig:
         """Parse `path`/config.json; unsupported architectures fail with one line."""
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
@@ -87,9 +88,15 @@ class ModelConfig:
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-            projs = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden),
-                     "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, q),
-                     "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+            projs = {
+                "self_attn.q_proj": (q, hidden),
+                "self_attn.k_proj": (kv, hidden),
+                "self_attn.v_proj": (kv, hidden),
+                "self_attn.o_proj": (hidden, q),
+                "mlp.gate_proj": (inter, hidden),
+                "mlp.up_proj": (inter, hidden),
+                "mlp.down_proj": (hidden, inter),
+            }
             for name, shape in projs.items():
                 shapes[p + name + ".weight"] = shape
                 attn = name.startswith("self_attn")
@@ -302,8 +309,11 @@ class Transformer:
             vc.view(-1, cfg.head_dim).index_copy_(0, write_index, v.reshape(-1, cfg.head_dim))
             # the `group` query heads sharing a kv head act as `group` query positions of one sequence
             o = F.scaled_dot_product_attention(
-                q.reshape(b, cfg.num_kv_heads, group, cfg.head_dim), kc[:b, :, :length], vc[:b, :, :length],
-                attn_mask=mask, scale=self.scale,
+                q.reshape(b, cfg.num_kv_heads, group, cfg.head_dim),
+                kc[:b, :, :length],
+                vc[:b, :, :length],
+                attn_mask=mask,
+                scale=self.scale,
             ).reshape(b, self.q_size)
             h = h + layer.o(o)
             h = self._mlp(layer, h)

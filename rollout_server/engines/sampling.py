@@ -4,6 +4,7 @@ The logprob is log_softmax(logits / T) over the full vocabulary (T = 1 for greed
 top-p only restrict which tokens can be drawn and never renormalise it (SGLang semantics).
 Each row draws with its own uniform number, so a row's token does not depend on its batch-mates.
 """
+
 from __future__ import annotations
 
 import torch

@@ -8,11 +8,11 @@ and full precision through SGLang's own loaders. Quantized engines start from du
 from the checkpoint, quantized with qurl.quant exactly as the learner quantizes its pushes.
 Not thread-safe: call everything from the thread that built the engine (its asyncio loop lives there).
 """
+
 from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import logging
 import os
 import signal
@@ -25,19 +25,15 @@ from qurl import delta
 from qurl import sglang_payload as payload
 from qurl.quant import FP8_BLOCK, INT8, SCALE_SUFFIXES, SCHEMES, is_quantized_linear, quantize_state_dict
 from rollout_server.engines import Completion, GenRequest, GenResult, check_names, run_to_completion
+from rollout_server.engines.sglang_args import engine_args, fp8_refit_problem
 from rollout_server.engines.sglang_fp8_loader import LOADER_PATH as FP8_LOADER_PATH
 from rollout_server.engines.sglang_int8_loader import LOADER_PATH
 
 SGLANG_VERSION = "0.5.23"
-INSTALL_HINT = ("rollout.engine=sglang needs the sglang package: install the `sglang` extra on a GPU node "
-                "(pip install -e '.[sglang]')")
-FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": [FP8_BLOCK.block, FP8_BLOCK.block]}
-DTYPES = ("float32", "bfloat16")
-# SGLang's CPU engine: max_total_tokens sizes the KV cache, this only bounds it. SGLang refuses to start when the
-# host's free memory falls by more than (1 - fraction) while the weights load, which other processes on a shared
-# machine can cause (0.05 failed one CI start that way), so leave it wide.
-CPU_MEM_FRACTION = 0.8
+INSTALL_HINT = (
+    "rollout.engine=sglang needs the sglang package: install the `sglang` extra on a GPU node "
+    "(pip install -e '.[sglang]')"
+)
 POLL_S = 0.005  # how long step() lets SGLang's event loop run when nothing has finished yet
 UPDATE_GROUP = payload.GROUP_NAME
 
@@ -52,129 +48,46 @@ def require_sglang() -> None:
         raise ValueError(f"rollout.engine=sglang supports sglang {SGLANG_VERSION}, found {sglang.__version__}")
 
 
-def replica_gpus(rollout_gpus: list[int], tp_size: int, replica: int) -> list[int]:
-    """GPUs of rollout replica `replica`: the replica-th group of tp_size from cluster.rollout_gpus."""
-    group = list(rollout_gpus)[replica * tp_size:(replica + 1) * tp_size]
-    if replica < 0 or len(group) != tp_size:
-        raise ValueError(f"cluster.rollout_gpus={list(rollout_gpus)} has no {tp_size} GPUs for rollout replica {replica} "
-                         f"(rollout.tp_size={tp_size})")
-    return group
-
-
-def placement(cfg: Any, replica: int) -> dict[str, Any]:
-    """load_engine's SGLang keywords for replica `replica`: its rollout.tp_size GPUs of cluster.rollout_gpus."""
-    from qurl.config import get
-
-    tp, gpus = get(cfg, "rollout.tp_size"), list(get(cfg, "cluster.rollout_gpus"))
-    return {"tp_size": tp, "gpus": replica_gpus(gpus, tp, replica) if gpus else None,
-            "mem_fraction": get(cfg, "rollout.mem_fraction"), "seed": get(cfg, "run.seed"),
-            "server_args": dict(get(cfg, "rollout.server_args"))}
-
-
-def engine_args(model_path: str, *, scheme: str, dtype: str, tp_size: int, gpus: list[int] | None, max_batch: int,
-                max_seq_len: int, seed: int = 0, mem_fraction: float | None = None,
-                server_args: dict[str, Any] | None = None) -> dict[str, Any]:
-    """sglang.Engine / ServerArgs keyword arguments for one replica: dp 1, token ids in and out, version "0".
-
-    gpus None: SGLang's CPU engine (tests and CPU rehearsals; needs SGLANG_USE_CPU_ENGINE=1), torch-native
-    attention, no CUDA graphs, a KV cache of max_batch * max_seq_len tokens.
-    """
-    payload.check_scheme(scheme)
-    if dtype not in DTYPES:
-        raise ValueError(f"rollout.dtype={dtype!r} is not allowed; choose one of: {', '.join(DTYPES)}")
-    if scheme != "none" and dtype != "bfloat16":
-        raise ValueError(f"rollout.dtype={dtype} with a {scheme} SGLang engine: SGLang's quantized linear methods "
-                         "take bfloat16 activations only; set rollout.dtype=bfloat16")
-    server_args = dict(server_args or {})
-    check_server_args(server_args)
-    args: dict[str, Any] = dict(
-        model_path=model_path, tp_size=tp_size, dp_size=1, skip_tokenizer_init=True, dtype=dtype,
-        context_length=max_seq_len, max_running_requests=max_batch, random_seed=seed, weight_version="0",
-        log_level="error",
-    )
-    if gpus is None:
-        if tp_size != 1:
-            raise ValueError(f"rollout.tp_size={tp_size}: SGLang's CPU engine runs one rank here; use tp_size 1")
-        args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                    max_total_tokens=max_batch * max_seq_len, mem_fraction_static=CPU_MEM_FRACTION)
-    else:
-        if len(gpus) != tp_size:
-            raise ValueError(f"need {tp_size} GPUs for tp_size={tp_size}, got {gpus}")
-        step = gpus[1] - gpus[0] if len(gpus) > 1 else 1
-        if step < 1 or list(gpus) != [gpus[0] + i * step for i in range(len(gpus))]:
-            raise ValueError("a replica's GPUs must be evenly spaced and increasing (SGLang's base_gpu_id + "
-                             f"gpu_id_step), got {gpus}")
-        args.update(base_gpu_id=gpus[0], gpu_id_step=step, device="cuda")
-    overrides = json.loads(server_args.pop("json_model_override_args", None) or "{}")
-    loaders = list(server_args.pop("custom_weight_loader", None) or [])  # merged: ours come first
-    if scheme == INT8.name:
-        args.update(quantization="w8a8_int8", load_format="dummy")
-        loaders.insert(0, LOADER_PATH)
-    elif scheme == FP8_BLOCK.name:
-        args.update(quantization="fp8", load_format="dummy")
-        loaders.insert(0, FP8_LOADER_PATH)
-        overrides["quantization_config"] = FP8_BLOCK_CONFIG  # merged: a user's other overrides stay
-    if loaders:
-        args["custom_weight_loader"] = loaders
-    if overrides:
-        args["json_model_override_args"] = json.dumps(overrides)
-    if mem_fraction is not None:
-        args["mem_fraction_static"] = mem_fraction
-    args.update(server_args)  # any other ServerArgs field, e.g. cuda_graph_max_bs_decode
-    return args
-
-
-def check_server_args(server_args: dict[str, Any]) -> None:
-    """Refuse settings under which SGLang's logprobs stop being log_softmax(logits / T), the learner's definition."""
-    if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
-        raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return T=1 logprobs while the learner "
-                         "uses log_softmax(logits / T); unset it")
-    if server_args.get("rl_on_policy_target"):
-        raise ValueError("server_args rl_on_policy_target switches SGLang's logprobs to T=1 while the "
-                         "learner uses log_softmax(logits / T); remove it")
-    if server_args.get("json_model_override_args") is not None:
-        try:
-            parsed = json.loads(server_args["json_model_override_args"])
-        except (TypeError, ValueError):
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise ValueError("server_args json_model_override_args must be a JSON object, got "
-                             f"{server_args['json_model_override_args']!r}")
-
-
-def fp8_refit_problem(capability: tuple[int, int]) -> str | None:
-    """Why FP8 block refits are unsound on a GPU of this compute capability, or None on Hopper (SM90)."""
-    if capability[0] == 9:
-        return None
-    how = ("DeepGEMM requantizes the block scales to UE8M0" if capability[0] >= 10
-           else "Marlin repacks the FP8 weight and deletes weight_scale_inv")
-    return (f"rollout.quant=fp8 with rollout.engine=sglang needs a Hopper (SM90) GPU, found SM{capability[0]}"
-            f"{capability[1]}: {how} at start, so an in-place refit would load wrong values; use rollout.quant=int8")
-
-
 def tensor_update_request(per_rank: list[bytes], load_format: str | None, last: bool, version: int) -> Any:
     """UpdateWeightsFromTensorReqInput for one bucket; only the last bucket flushes the cache and sets the version."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
-    return UpdateWeightsFromTensorReqInput(serialized_named_tensors=list(per_rank), load_format=load_format,
-                                           flush_cache=last, weight_version=str(version) if last else None)
+    return UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=list(per_rank),
+        load_format=load_format,
+        flush_cache=last,
+        weight_version=str(version) if last else None,
+    )
 
 
-def distributed_update_request(meta: tuple[list[str], list[str], list[list[int]]], group_name: str, last: bool,
-                               version: int) -> Any:
+def distributed_update_request(
+    meta: tuple[list[str], list[str], list[list[int]]], group_name: str, last: bool, version: int
+) -> Any:
     """UpdateWeightsFromDistributedReqInput for one flattened-bucket broadcast."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
 
     names, dtypes, shapes = meta
     return UpdateWeightsFromDistributedReqInput(
-        names=list(names), dtypes=list(dtypes), shapes=[list(x) for x in shapes], group_name=group_name,
-        flush_cache=last, weight_version=str(version) if last else None, load_format="flattened_bucket")
+        names=list(names),
+        dtypes=list(dtypes),
+        shapes=[list(x) for x in shapes],
+        group_name=group_name,
+        flush_cache=last,
+        weight_version=str(version) if last else None,
+        load_format="flattened_bucket",
+    )
 
 
 def request_dict(req: GenRequest) -> dict[str, Any]:
     """GenerateReqInput keyword arguments for one GenRequest: n samples, max_new_tokens always set, logprobs on."""
-    sampling = {"n": req.n, "max_new_tokens": req.max_new_tokens, "temperature": req.temperature,
-                "top_p": req.top_p, "top_k": req.top_k, "stop_token_ids": list(req.stop_token_ids)}
+    sampling = {
+        "n": req.n,
+        "max_new_tokens": req.max_new_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "stop_token_ids": list(req.stop_token_ids),
+    }
     return {"input_ids": list(req.prompt_ids), "sampling_params": sampling, "return_logprob": True}
 
 
@@ -189,7 +102,9 @@ def token_versions(meta: dict[str, Any], num_tokens: int) -> list[int]:
             for i in range(span["start"], min(span["end"], num_tokens)):
                 versions[i] = int(span["version"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"sglang meta_info carries no integer weight version ({exc!r}); start it with weight_version='0'") from None
+        raise ValueError(
+            f"sglang meta_info carries no integer weight version ({exc!r}); start it with weight_version='0'"
+        ) from None
     if None in versions:
         raise ValueError(f"sglang weight_versions spans {spans} do not cover {num_tokens} output tokens")
     return versions  # type: ignore[return-value]
@@ -206,8 +121,12 @@ def parse_output(out: dict[str, Any]) -> Completion:
     if any(lp is None for lp, _, _ in triples):
         raise ValueError("sglang returned a token without a logprob; requests must set return_logprob")
     tokens = [int(tok) for _, tok, _ in triples]
-    return Completion(token_ids=tokens, logprobs=[float(lp) for lp, _, _ in triples],
-                  versions=token_versions(meta, len(tokens)), finish_reason=kind)
+    return Completion(
+        token_ids=tokens,
+        logprobs=[float(lp) for lp, _, _ in triples],
+        versions=token_versions(meta, len(tokens)),
+        finish_reason=kind,
+    )
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -252,8 +171,9 @@ def keep_host_copy(host: dict[str, torch.Tensor], tensors: dict[str, torch.Tenso
         host[name] = tensors[name].to("cpu", copy=True).contiguous()
 
 
-def apply_to_host(host: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta],
-                  checksum: str) -> dict[str, torch.Tensor]:
+def apply_to_host(
+    host: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta], checksum: str
+) -> dict[str, torch.Tensor]:
     """Apply a delta push to the host copy; return what SGLang must load: every changed code tensor with its scale
     (the two travel as one unit) and the other tensors sent whole. Raises like qurl.delta.apply, host unchanged."""
     touched = {name: t for name, t in whole.items() if name in host}
@@ -279,30 +199,55 @@ class SGLangEngine:
         self._in_flight: set[Hashable] = set()
 
     @classmethod
-    def from_pretrained(cls, path: str, quant: str = "int8", dtype: str = "bfloat16", device: str = "cuda",
-                        max_batch: int = 64, max_seq_len: int = 2048, tp_size: int = 1, gpus: list[int] | None = None,
-                        seed: int = 0, mem_fraction: float | None = None, server_args: dict[str, Any] | None = None,
-                        bucket_bytes: int = payload.UPDATE_BUCKET_BYTES) -> "SGLangEngine":
+    def from_pretrained(
+        cls,
+        path: str,
+        quant: str = "int8",
+        dtype: str = "bfloat16",
+        device: str = "cuda",
+        max_batch: int = 64,
+        max_seq_len: int = 2048,
+        tp_size: int = 1,
+        gpus: list[int] | None = None,
+        seed: int = 0,
+        mem_fraction: float | None = None,
+        server_args: dict[str, Any] | None = None,
+        bucket_bytes: int = payload.UPDATE_BUCKET_BYTES,
+    ) -> SGLangEngine:
         """Start SGLang on `gpus` (default: tp_size GPUs from device "cuda:N"), then load version 0."""
         require_sglang()
         scheme = quant  # a scheme name (load_engine resolved any alias); engine_args refuses what SGLang cannot refit
         if device == "cpu":
             if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
-                raise ValueError("rollout.engine=sglang with rollout.device=cpu needs SGLANG_USE_CPU_ENGINE=1 (SGLang's "
-                                 "CPU engine; on this project's CPUs only with the test stand-ins of make test-sglang)")
+                raise ValueError(
+                    "rollout.engine=sglang with rollout.device=cpu needs SGLANG_USE_CPU_ENGINE=1 (SGLang's "
+                    "CPU engine; on this project's CPUs only with the test stand-ins of make test-sglang)"
+                )
             gpus = None
         elif gpus is None:
             if device != "cuda" and not device.startswith("cuda:"):
-                raise ValueError(f"rollout.device={device!r}: the sglang engine runs on CUDA GPUs ('cuda' or 'cuda:N') "
-                                 "or, for tests, on the CPU ('cpu')")
+                raise ValueError(
+                    f"rollout.device={device!r}: the sglang engine runs on CUDA GPUs ('cuda' or 'cuda:N') "
+                    "or, for tests, on the CPU ('cpu')"
+                )
             first = int(device.partition(":")[2] or 0)
             gpus = list(range(first, first + tp_size))
         if scheme == FP8_BLOCK.name and gpus is not None:
             problem = fp8_refit_problem(torch.cuda.get_device_capability(gpus[0]))
             if problem:
                 raise ValueError(problem)
-        args = engine_args(path, scheme=scheme, dtype=dtype, tp_size=tp_size, gpus=gpus, max_batch=max_batch,
-                           max_seq_len=max_seq_len, seed=seed, mem_fraction=mem_fraction, server_args=server_args)
+        args = engine_args(
+            path,
+            scheme=scheme,
+            dtype=dtype,
+            tp_size=tp_size,
+            gpus=gpus,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            seed=seed,
+            mem_fraction=mem_fraction,
+            server_args=server_args,
+        )
         expected = expected_tensors(path, scheme)
         import sglang
 
@@ -358,8 +303,10 @@ class SGLangEngine:
         if request_id in self._in_flight:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if not req.prompt_ids or req.n < 1 or req.max_new_tokens < 1:
-            raise ValueError(f"need a prompt, n >= 1 and max_new_tokens >= 1, got {len(req.prompt_ids)} tokens, "
-                             f"n={req.n}, max_new_tokens={req.max_new_tokens}")
+            raise ValueError(
+                f"need a prompt, n >= 1 and max_new_tokens >= 1, got {len(req.prompt_ids)} tokens, "
+                f"n={req.n}, max_new_tokens={req.max_new_tokens}"
+            )
         task = self._loop.create_task(self.engine.async_generate(**request_dict(req)))
         self._tasks[task] = (request_id, req.n)
         self._in_flight.add(request_id)
@@ -369,7 +316,8 @@ class SGLangEngine:
         if not self._tasks:
             return []
         done, _ = self._loop.run_until_complete(
-            asyncio.wait(list(self._tasks), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED))
+            asyncio.wait(list(self._tasks), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+        )
         finished: list[tuple[Hashable, int, Completion]] = []
         for task in done:
             request_id, n = self._tasks.pop(task)
@@ -394,8 +342,9 @@ class SGLangEngine:
         self._session(iter(payload.buckets(named, self.bucket_bytes)), version)
         keep_host_copy(self.host, named_tensors)
 
-    def apply_delta(self, whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta], version: int,
-                    checksum: str) -> None:
+    def apply_delta(
+        self, whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta], version: int, checksum: str
+    ) -> None:
         """Apply a delta push to the host copy (all or nothing, proven by checksum), then send SGLang what changed.
 
         If SGLang then fails, the host copy is ahead of the GPU: the caller asks for a full push, which resets both.
@@ -417,7 +366,7 @@ class SGLangEngine:
             yield from payload.buckets(payload.named_tensors(tensors, self.scheme), self.bucket_bytes)
 
     def _session(self, bucket_iter: Iterator[payload.Named], version: int) -> None:
-        """pause(retract) -> begin -> one tensor update per bucket -> end -> continue; the version lands with the last bucket."""
+        """pause(retract) -> begin -> a tensor update per bucket -> end -> continue; the version lands with the last."""
         load_format = self.load_format
 
         def request(bucket: payload.Named, last: bool) -> Any:
@@ -430,8 +379,9 @@ class SGLangEngine:
     def apply_serialized(self, payloads: list[list[bytes]], version: int, load_format: str | None = None) -> None:
         """Colocated push: per bucket, one payload per TP rank already serialized by the learner (CUDA IPC handles)."""
         if self.scheme != "none" and load_format not in (None, self.load_format):
-            raise ValueError(f"{self.scheme} refits load through {self.load_format}; load_format={load_format!r} "
-                             "would skip it")
+            raise ValueError(
+                f"{self.scheme} refits load through {self.load_format}; load_format={load_format!r} would skip it"
+            )
         fmt = self.load_format if self.scheme != "none" else load_format
 
         def request(per_rank: list[bytes], last: bool) -> Any:
@@ -442,37 +392,64 @@ class SGLangEngine:
         self._run_session(iter(payloads), request)
         self._version = int(version)
 
-    def init_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                          group_name: str = UPDATE_GROUP, backend: str = "nccl") -> None:
+    def init_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = UPDATE_GROUP,
+        backend: str = "nccl",
+    ) -> None:
         """Join this replica's TP ranks to the learner's broadcast group (ranks rank_offset .. rank_offset+tp-1)."""
-        ok, msg = self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size,
-                                                        group_name, backend)
+        ok, msg = self.engine.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
         if not ok:
             raise RuntimeError(f"sglang init_weights_update_group failed: {msg}")
 
     def check_metas(self, metas: list[tuple[list[str], list[str], list[list[int]]]], partial: bool = False) -> None:
         """check_push on bucket metadata alone (names, dtypes, shapes), before any bytes are loaded."""
-        check_push(self.expected, {n: torch.empty(s, dtype=getattr(torch, d), device="meta")
-                                   for names, dtypes, shapes in metas
-                                   for n, d, s in zip(names, dtypes, shapes, strict=True)}, partial)
+        check_push(
+            self.expected,
+            {
+                n: torch.empty(s, dtype=getattr(torch, d), device="meta")
+                for names, dtypes, shapes in metas
+                for n, d, s in zip(names, dtypes, shapes, strict=True)
+            },
+            partial,
+        )
 
-    def receive_broadcast(self, metas: list[tuple[list[str], list[str], list[list[int]]]], version: int,
-                          group_name: str = UPDATE_GROUP, partial: bool = False) -> None:
-        """Separate-GPU push: receive one flattened NCCL broadcast per bucket (bucket_meta of each) from learner rank 0."""
+    def receive_broadcast(
+        self,
+        metas: list[tuple[list[str], list[str], list[list[int]]]],
+        version: int,
+        group_name: str = UPDATE_GROUP,
+        partial: bool = False,
+    ) -> None:
+        """Separate-GPU push: one flattened NCCL broadcast per bucket (bucket_meta of each) from learner rank 0."""
         if self.scheme == INT8.name:
-            raise ValueError("INT8 refits need update_weights_from_tensor: sglang 0.5.23 loads distributed updates "
-                             "with model.load_weights, which cannot write w8a8_int8 weights after the first load")
+            raise ValueError(
+                "INT8 refits need update_weights_from_tensor: sglang 0.5.23 loads distributed updates "
+                "with model.load_weights, which cannot write w8a8_int8 weights after the first load"
+            )
         self.check_metas(metas, partial)
 
         def request(meta: tuple, last: bool) -> Any:
-            return self._tm.update_weights_from_distributed(distributed_update_request(meta, group_name, last, version), None)
+            return self._tm.update_weights_from_distributed(
+                distributed_update_request(meta, group_name, last, version), None
+            )
 
         self._run_session(iter(metas), request)
         self._version = int(version)
 
     def _run_session(self, items: Iterator, request) -> None:
-        from sglang.srt.managers.io_struct import (BeginWeightUpdateReqInput, ContinueGenerationReqInput,
-                                                   EndWeightUpdateReqInput, PauseGenerationReqInput)
+        from sglang.srt.managers.io_struct import (
+            BeginWeightUpdateReqInput,
+            ContinueGenerationReqInput,
+            EndWeightUpdateReqInput,
+            PauseGenerationReqInput,
+        )
 
         run = self._loop.run_until_complete
         run(self._tm.pause_generation(PauseGenerationReqInput(mode="retract")))

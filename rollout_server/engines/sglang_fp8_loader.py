@@ -4,9 +4,10 @@ A block-FP8 refit writes `X.weight` (e4m3) and `X.weight_scale_inv` (fp32, one p
 `model.load_weights`, which is only sound while SGLang keeps that layout after its start-up post-processing.
 It does on Hopper (SM90) without DeepGEMM's UE8M0 path; on Blackwell DeepGEMM requantizes the scales and on
 SM80-89 Marlin repacks the weight and deletes `weight_scale_inv`, so a refit would load wrong values silently.
-The adapter refuses those GPUs before start (sglang_engine.fp8_refit_problem); this loader checks every layer
+The adapter refuses those GPUs before start (sglang_args.fp8_refit_problem); this loader checks every layer
 on every load, so a layout SGLang changed anyway stops the refit instead of corrupting it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -41,6 +42,8 @@ def scale_layout_problem(model: torch.nn.Module) -> str | None:
         want = (-(-n // bn), -(-k // bk))
         if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != want:
             got = "absent" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
-            return (f"{name}.{SCALE} is {got} after SGLang's post-processing, not torch.float32 {want} "
-                    "(a DeepGEMM UE8M0 or Marlin repack)")
+            return (
+                f"{name}.{SCALE} is {got} after SGLang's post-processing, not torch.float32 {want} "
+                "(a DeepGEMM UE8M0 or Marlin repack)"
+            )
     return None

@@ -14,6 +14,7 @@ SGLang calls it as `loader(model, named_tensors)` from update_weights_from_tenso
 function's dotted path and the engine was started with --custom-weight-loader naming it. The distributed
 (NCCL) update path of 0.5.23 never calls a custom loader: INT8 refits must use update_weights_from_tensor.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -26,8 +27,13 @@ SUPPORTED_SGLANG = "0.5.23"
 LOADER_PATH = "rollout_server.engines.sglang_int8_loader.load_int8_weights"
 SCALE = INT8.scale_suffix
 # HF projection -> (SGLang's fused module, shard id), as SGLang's Llama / Qwen2 / Qwen3 models name them
-FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 def load_int8_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -50,7 +56,7 @@ def _check_version() -> None:
 
 
 def split(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
-    """({hf weight name: (int8 codes [N, K], fp32 scale [N, 1])}, the other tensors); bf16 weights are quantized here."""
+    """({hf weight name: (int8 codes [N, K], fp32 scale [N, 1])}, the other tensors); bf16 weights quantized here."""
     named = list(named_tensors)
     by_name = dict(named)
     linears: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -125,8 +131,10 @@ def write_linear(module: torch.nn.Module, shard: str | int | None, codes: torch.
     if type(getattr(module, "quant_method", None)).__name__ != "W8A8Int8LinearMethod":
         raise ValueError(f"{type(module).__name__} is not a w8a8_int8 layer; start SGLang with quantization=w8a8_int8")
     if not is_kernel_layout(module):
-        raise RuntimeError(f"int8 weight {tuple(module.weight.shape)} stride {module.weight.stride()} is not "
-                           f"w8a8_int8's CUDA layout; this loader supports sglang {SUPPORTED_SGLANG} on CUDA")
+        raise RuntimeError(
+            f"int8 weight {tuple(module.weight.shape)} stride {module.weight.stride()} is not "
+            f"w8a8_int8's CUDA layout; this loader supports sglang {SUPPORTED_SGLANG} on CUDA"
+        )
     storage = module.weight.data_ptr(), module.weight_scale.data_ptr()
     weight = torch.nn.Parameter(module.weight.t(), requires_grad=False)  # [N, K] view of the same storage
     weight.output_dim, weight.input_dim = 0, 1

@@ -4,6 +4,7 @@ Active sequences always occupy cache slots 0..B-1: a finished sequence's slot is
 the last active sequence into it, so one decode step runs over contiguous cache views.
 Not thread-safe: call add_request / step / update_weights from one thread (the server loop).
 """
+
 from __future__ import annotations
 
 import collections
@@ -82,7 +83,7 @@ class TorchEngine:
         max_batch: int = 64,
         max_seq_len: int = 2048,
         weight_bits: int = 8,
-    ) -> "TorchEngine":
+    ) -> TorchEngine:
         """Load full-precision HF weights, quantize them with qurl.quant, and keep exactly those buffers.
 
         load_engine has checked the settings: `scheme` is a registry record, `dtype` one of _DTYPES.
@@ -245,8 +246,9 @@ class TorchEngine:
             self.model.repack(named_tensors)
         self._version = int(version)
 
-    def apply_delta(self, whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta], version: int,
-                    checksum: str) -> None:
+    def apply_delta(
+        self, whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta], version: int, checksum: str
+    ) -> None:
         """Apply a delta push (qurl.delta.split_push) in place as `version`; all or nothing, proven by `checksum`."""
         with torch.inference_mode():
             delta.apply(self._weights, whole, deltas, checksum)

@@ -11,6 +11,7 @@ replaced, when their module is first imported:
   (weight-only: the activations are not quantized, unlike the GPU kernels).
 Weight creation, checkpoint loading, the weight-update sessions and our in-place writes stay SGLang's and ours.
 """
+
 from __future__ import annotations
 
 import importlib.abc
