@@ -1,1 +1,1 @@
-"""Learner: FSDP2 trainer, trajectory buffer, weight sender, checkpoints."""
+"""Learner: the training loop (trainer.py) over the hub, policy step, publisher, control plane, checkpoints."""

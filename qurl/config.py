@@ -198,7 +198,7 @@ _KEYWORD_RENAMES = {"async": "async_"}
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.engine": ("torch", "sglang"),
-    "rollout.quant": ("none", "int8", "fp8"),
+    "rollout.quant": ("none", "int8", "fp8"),  # = qurl.quant.QUANT_SETTINGS (no torch here; test_quant checks)
     "rollout.dtype": ("float32", "bfloat16"),
     "algo.loss": ("ppo", "decoupled", "tis", "acr"),
     "algo.kl_kind": ("k1", "k2", "k3"),

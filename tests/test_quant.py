@@ -296,3 +296,13 @@ def test_property_power_of_two_equivariance_over_shapes(n, k, seed, exponent):
         codes, scale = quantize(w)
         codes_s, scale_s = quantize(w / s)
         assert changed_fraction(codes, codes_s) == 0.0 and torch.equal(scale_s, scale / s)
+
+
+def test_config_choices_are_the_registry_settings():
+    """qurl.config lists the rollout.quant / quant.fp8_granularity values itself so that qurl-async starts without
+    torch; they must be the registry's, so that a scheme added there is accepted by the config."""
+    from qurl.config import CHOICES
+    from qurl.quant.schemes import FP8_BY_GRANULARITY, QUANT_SETTINGS
+
+    assert tuple(CHOICES["rollout.quant"]) == QUANT_SETTINGS
+    assert set(CHOICES["quant.fp8_granularity"]) == set(FP8_BY_GRANULARITY)
