@@ -190,7 +190,7 @@ def sync_rows(model: str, gsm: str, pushes: int, threads: int) -> list[dict]:
     rows = []
     for s in (1.0, 1.5):
         runs = sync.run("smollm2-135m", model, RECIPE_LR, s, data, threads)
-        rows += [dict(r, part="sync") for r in runs] + [dict(sync.summary(runs), part="sync")]
+        rows += [dict(r, part="sync") for r in runs + sync.summaries(runs)]
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
