@@ -144,8 +144,8 @@ def run(
         opt.zero_grad(set_to_none=True)
         for dt, engine in engines.items():
             old, new = prev[dt], tensors(dt)
-            row = push_row(engine, old, new, version)
-            rows.append(dict(row, model=model_name, model_params=params, lr=lr, s=s, engine_dtype=dt, threads=threads))
+            head = {"kind": "push", "model": model_name, "model_params": params, "lr": lr, "s": s}
+            rows.append({**head, "engine_dtype": dt, "threads": threads, **push_row(engine, old, new, version)})
             prev[dt] = new
     return rows
 
@@ -179,7 +179,6 @@ def push_row(engine, prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
     old = delta.delta_push(version, "int8", *delta.diff({k: prev[k] for k in quant}, new), full.checksum)
     old_bytes = wire_bytes(encode(old, sender="learner", session="s", seq=3 * version + 2))
     return {
-        "kind": "push",
         "version": version,
         "changed_frac": changed_share(prev, new, codes),
         "changed_frac_qkv": changed_share(prev, new, scaled),
