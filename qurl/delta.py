@@ -51,7 +51,7 @@ def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     """CRC-32 over name, dtype, shape and bytes of every checked tensor in name order ('crc32:' + 8 hex digits).
 
     A guard against applying to the wrong base or a bad delta, not against an attacker (transport.secret's
-    HMAC is); CRC-32 reads memory ~5x faster than blake2b here (benchmarks/sync.py measures both).
+    HMAC is); CRC-32 reads memory faster than blake2b (1.7-5x here: benchmarks/sync.py measures both).
     """
     crc = 0
     for name in checked_names(tensors):
