@@ -11,10 +11,10 @@ Parts (all by default, or a subset with --parts):
   prefill seconds (one new token), and decode tokens/s from the rest of the generation.
 - learner: one real qurl-learner (benchmarks/learner_step.py's harness, synthetic groups of the recipe's shape)
   with train.precision fp32 and bf16 (FSDP2 mixed precision).
-- sync: int8 codes changed per push after AdamW steps at the recipe's learning rate, s = 1 and 1.5
-  (benchmarks/sync.py's run on GSM text).
+- sync: int8 codes changed per push and delta / full push bytes per engine dtype after AdamW steps at the
+  recipe's learning rate (or --sync-lr), s = 1 and 1.5 (benchmarks/sync.py's run on GSM text).
 
-    python benchmarks/real_model.py [--parts mismatch,decode,learner,sync] [--threads 2] [--out FILE]
+    python benchmarks/real_model.py [--parts mismatch,decode,learner,sync] [--threads 2] [--sync-lr LR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def learner_rows(model: str, steps: int, threads: int, tmp: str) -> list[dict]:
     return rows
 
 
-def sync_rows(model: str, gsm: str, pushes: int, threads: int) -> list[dict]:
+def sync_rows(model: str, gsm: str, pushes: int, threads: int, lr: float) -> list[dict]:
     import sync
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -189,8 +189,8 @@ def sync_rows(model: str, gsm: str, pushes: int, threads: int) -> list[dict]:
     data = [torch.tensor(ids[k * need : (k + 1) * need]).view(sync.BATCH, sync.SEQ) for k in range(pushes)]
     rows = []
     for s in (1.0, 1.5):
-        runs = sync.run("smollm2-135m", model, RECIPE_LR, s, data, threads)
-        rows += [dict(r, part="sync") for r in runs] + [dict(sync.summary(runs), part="sync")]
+        runs = sync.run("smollm2-135m", model, lr, s, data, threads)
+        rows += [dict(r, part="sync") for r in runs + sync.summaries(runs)]
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default=",".join(DECODE_FORMATS), help="decode formats (comma-separated)")
     ap.add_argument("--steps", type=int, default=2, help="measured learner steps per precision")
     ap.add_argument("--pushes", type=int, default=3)
+    ap.add_argument("--sync-lr", type=float, default=RECIPE_LR, help="the sync part's AdamW learning rate")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         if "learner" in parts:
             rows += learner_rows(model, args.steps, args.threads, tmp)
         if "sync" in parts:
-            rows += sync_rows(model, gsm, args.pushes, args.threads)
+            rows += sync_rows(model, gsm, args.pushes, args.threads, args.sync_lr)
     emit(
         {
             "benchmark": "real_model",

@@ -11,6 +11,21 @@ from learner.weight_sender import WeightSender
 from qurl.quant import quantize_state_dict
 
 
+def engine_tensors(
+    state: dict[str, torch.Tensor], scheme: str, weight_bits: int, engine_dtype: torch.dtype, tied: bool
+) -> dict[str, torch.Tensor]:
+    """What the rollout engine loads: tied lm_head dropped, linears quantized, the rest in the engine's dtype.
+
+    The engine's dtype is also what a delta push diffs and checksums for the unquantized tensors (qurl/delta.py).
+    """
+    if tied:
+        state.pop("lm_head.weight", None)
+    out = quantize_state_dict(state, scheme, weight_bits)
+    # passed-through tensors may share storage with the live parameters (one rank): copy them, so that a
+    # later re-push of this version sends this version
+    return {k: v.to(engine_dtype, copy=True) if v is state.get(k) else v for k, v in out.items()}
+
+
 class Publisher:
     """Rank 0: turns the gathered full weights into the engine's tensors and pushes them as one version."""
 
@@ -20,20 +35,11 @@ class Publisher:
         self.sender, self.pusher, self.scheme = sender, pusher, scheme
         self.weight_bits, self.engine_dtype, self.tied = weight_bits, engine_dtype, tied
 
-    def engine_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What the rollout engine loads: tied lm_head dropped, linears quantized, the rest in the engine's dtype."""
-        if self.tied:
-            state.pop("lm_head.weight", None)
-        out = quantize_state_dict(state, self.scheme, self.weight_bits)
-        # passed-through tensors may share storage with the live parameters (one rank): copy them, so that a
-        # later re-push of this version sends this version
-        return {k: v.to(self.engine_dtype, copy=True) if v is state.get(k) else v for k, v in out.items()}
-
     def push(self, state: dict[str, torch.Tensor], version: int, publish: bool, gathered_s: float) -> dict:
         """Quantize and publish `state` as `version` (publish=False: only remember the codes); `gathered_s`, the
         time it took to gather the weights, counts towards sync/seconds."""
         started = time.perf_counter() - gathered_s
-        tensors = self.engine_tensors(state)
+        tensors = engine_tensors(state, self.scheme, self.weight_bits, self.engine_dtype, self.tied)
         if not publish:
             self.sender.set_baseline(tensors)
             return {}

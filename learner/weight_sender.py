@@ -1,6 +1,7 @@
-"""What a weight push puts on the wire: the quantized tensors whole every `sync.full_every` versions and as
-deltas of the previous version between (qurl/delta.py), or a WeightRef whose bytes travel by CUDA IPC or NCCL;
-and the push's statistics (bytes, share of codes changed). The control plane sends it and keeps it for laggards.
+"""What a weight push puts on the wire: the engine's tensors whole every `sync.full_every` versions and, for a
+quantized scheme, every tensor as a delta of the previous version between (qurl/delta.py), or a WeightRef whose
+bytes travel by CUDA IPC or NCCL; and the push's statistics (bytes, share of codes changed). The control plane
+sends it and keeps it for laggards.
 """
 
 from __future__ import annotations

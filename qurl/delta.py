@@ -1,10 +1,13 @@
-"""Delta weight pushes: send only the quantized codes and scales that changed, and prove the result by checksum.
+"""Delta weight pushes: send only the tensor elements that changed, and prove the result by checksum.
 
-Most int8 / fp8 codes do not move between two optimizer steps (docs/paper.md section 4), so a push for version V
-may carry, per code or scale tensor, the new values of what changed since V-1 and where they go (flat indices,
-or a bit mask when many changed), whichever of that and the whole tensor is smaller; every other tensor
-(embeddings, norms, biases) travels whole. Every push
-carries `checksum` of the resulting codes and scales, so a server proves its buffers equal the learner's.
+Most int8 / fp8 codes do not move between two optimizer steps (docs/paper.md section 4), and neither do most
+elements of the unquantized tensors (embeddings, lm_head, norms, biases) once the learner has cast them to the
+engine's dtype (bf16 on GPU engines: a 1e-6 update rarely crosses a bf16 rounding step). So a push of a quantized
+scheme for version V may carry, per tensor, the new values of what changed since V-1 (compared as bit patterns)
+and where they go (flat indices, or a bit mask when many changed), whichever of that and the whole tensor is
+smaller. Every such push carries `checksum` of the resulting state, every tensor of it, so a server proves its
+buffers equal the learner's. A push of `none` (no codes) is always full and its checksum covers nothing: a delta
+base on an SGLang server would be a host copy of the whole model per replica (design.md section 5).
 A delta applies only on top of exactly V-1 (the server checks its version); `apply` is all or nothing.
 How the entries are named (X@val with X@idx or X@mask), and the rule every push is checked by: qurl/delta_names.py.
 """
@@ -21,7 +24,7 @@ import torch
 from qurl.delta_names import DELTA_INDEX, DELTA_MASK, DELTA_VALUES
 from qurl.frames import BadFrame, ProtocolError, WireTensor, from_torch, to_torch
 from qurl.protocol import WeightPush
-from qurl.quant import CODE_DTYPES, SCALE_SUFFIXES
+from qurl.quant import CODE_DTYPES
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # compare bit patterns, not values
 
@@ -34,21 +37,21 @@ class Delta(NamedTuple):
 
 
 class ChecksumMismatch(ProtocolError):
-    """The codes after applying a push differ from the learner's: the server needs a full push."""
+    """The tensors after applying a push differ from the learner's: the server needs a full push."""
 
 
 def checked_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """Sorted names of the int8 / fp8 code tensors and their scales: what deltas touch and checksums cover."""
-    codes = {name for name, t in tensors.items() if t.dtype in CODE_DTYPES}
-    scales = {name for name in tensors for s in SCALE_SUFFIXES if name.endswith(s) and name[: -len(s)] in codes}
-    return sorted(codes | scales)
+    """Sorted names deltas may touch and checksums cover: every tensor of a quantized push, none without codes."""
+    if not any(t.dtype in CODE_DTYPES for t in tensors.values()):
+        return []
+    return sorted(tensors)
 
 
 def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     """CRC-32 over name, dtype, shape and bytes of every checked tensor in name order ('crc32:' + 8 hex digits).
 
     A guard against applying to the wrong base or a bad delta, not against an attacker (transport.secret's
-    HMAC is); CRC-32 reads memory ~5x faster than blake2b here (benchmarks/sync.py measures both).
+    HMAC is); CRC-32 reads memory faster than blake2b (1.7-5x here: benchmarks/sync.py measures both).
     """
     crc = 0
     for name in checked_names(tensors):
@@ -61,7 +64,10 @@ def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
 def diff(
     old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Delta]]:
-    """(whole, deltas) taking `old` to `new`: per checked tensor the smaller of its delta and itself, the rest whole."""
+    """(whole, deltas) taking `old` to `new`: per checked tensor the smaller of its delta and itself, the rest whole.
+
+    Unchanged checked tensors are left out; a tensor `old` lacks, or holds in another shape or dtype, goes whole.
+    """
     checked = set(checked_names(new))
     whole: dict[str, torch.Tensor] = {}
     deltas: dict[str, Delta] = {}
@@ -147,8 +153,10 @@ def check(buffers: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor]
     checked = set(checked_names(buffers))
     for name, d in deltas.items():
         dst = buffers.get(name)
-        if dst is None or name not in checked:
-            raise BadFrame(f"delta for {name!r}, which is not a code or scale tensor of the engine")
+        if dst is None:
+            raise BadFrame(f"delta for {name!r}, which the engine does not hold")
+        if name not in checked:
+            raise BadFrame(f"delta for {name!r}: the engine holds no quantized codes and takes full pushes only")
         if d.values.dtype != dst.dtype:
             raise BadFrame(f"{name}: delta values are {d.values.dtype}, the engine holds {dst.dtype}")
         if not dst.is_contiguous():
@@ -166,29 +174,22 @@ def check(buffers: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor]
 def apply(
     buffers: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor], deltas: Mapping[str, Delta], expected: str
 ) -> None:
-    """Write a push into `buffers` in place, all or nothing: checked first, undone if the checksum then differs.
+    """Write a push into `buffers` in place, all or nothing, without a whole copy of anything for undo.
 
+    Checked first; deltas are written in place (their old elements kept), the would-be state (those buffers, the
+    push's whole tensors in place of theirs) is checksummed, and only on a match are the whole tensors copied in.
     Raises BadFrame (does not fit) or ChecksumMismatch; either way `buffers` are left exactly as they were.
     """
     check(buffers, whole, deltas)
-    checked = set(checked_names(buffers))
-    undo: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # (buffer, indices or None, old)
+    undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (flat buffer, indices, old values)
     for name, d in deltas.items():
         flat, idx = buffers[name].view(-1), d.indices.long()
         undo.append((flat, idx, flat[idx]))
         flat[idx] = d.values.to(flat.device)
-    for name, t in whole.items():
-        if name in checked:
-            undo.append((buffers[name], None, buffers[name].clone()))
-            buffers[name].copy_(t)
-    got = checksum(buffers)
+    got = checksum({**buffers, **whole})
     if got != expected:
-        for dst, idx, old in reversed(undo):
-            if idx is None:
-                dst.copy_(old)
-            else:
-                dst[idx] = old
-        raise ChecksumMismatch(f"codes after the push have {got}, the learner's have {expected}")
+        for flat, idx, old in reversed(undo):
+            flat[idx] = old
+        raise ChecksumMismatch(f"the tensors after the push have {got}, the learner's have {expected}")
     for name, t in whole.items():
-        if name not in checked:
-            buffers[name].copy_(t)
+        buffers[name].copy_(t)

@@ -1,9 +1,11 @@
-"""Delta weight pushes (issue 11): what a delta carries, how servers apply it, and how they heal.
+"""Delta weight pushes (issues 11, 20): what a delta carries, how servers apply it, and how they heal.
 
 Unit level on the demo model: a delta decoded from the wire rebuilds the full push bit for bit; an engine after
 N deltas equals an engine after one full push of the same version, in the same buffers; a bad delta (wrong base,
 corrupted values, out-of-range indices) changes nothing; malformed delta frames are ProtocolErrors; the learner's
-sender honours sync.full_every; the SGLang adapter's host copy forwards exactly the changed units. End to end: a
+sender honours sync.full_every; the SGLang adapter's host copy forwards exactly the changed units; a bf16 engine at
+lr 1e-6 takes every tensor (embeddings, norms too) as small exact deltas, refuses a corrupted one by checksum, and an
+fp32 engine's unquantized tensors go whole where that is smaller. End to end: a
 real rollout server process against the learner's real WeightSender detects a corrupted delta and a missed
 version, asks for a full push, and is healed by it.
 """
@@ -23,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from learner.budget import Budget
 from learner.control_plane import ControlPlane
+from learner.publisher import engine_tensors
 from learner.weight_sender import WeightSender
 from qurl import delta, sglang_payload, transport
 from qurl.frames import BadField, BadFrame, from_torch
@@ -42,15 +45,20 @@ def model_dir(demo_dir) -> str:
     return str(Path(demo_dir) / "model")
 
 
-@pytest.fixture(scope="module")
-def trajectory(model_dir):
-    """scheme -> quantized engine tensors of versions 0..6, the weights moving by STEP per version."""
+def engine_state(model_dir: str) -> dict[str, torch.Tensor]:
+    """The demo checkpoint's tensors that the engine loads (a tied lm_head left out), as fresh copies."""
     names = set(load_engine(model_dir, quant="int8", max_batch=1, max_seq_len=16).weights)
-    state = {
+    return {
         k: v.detach().clone()
         for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()
         if k in names
     }
+
+
+@pytest.fixture(scope="module")
+def trajectory(model_dir):
+    """scheme -> quantized engine tensors of versions 0..6, the weights moving by STEP per version."""
+    state = engine_state(model_dir)
     gen = torch.Generator().manual_seed(0)
     states = []
     for _ in range(7):
@@ -324,34 +332,125 @@ def test_a_heartbeat_lagging_just_after_a_push_gets_no_full_repush(trajectory):
 def test_sglang_host_copy_forwards_changed_units(model_dir, trajectory, scheme):
     versions = trajectory[scheme]
     host: dict = {}
-    se.keep_host_copy(host, versions[0])
-    assert set(host) == set(delta.checked_names(versions[0]))
+    se.keep_host_copy(host, versions[0], scheme)
+    assert set(host) == set(versions[0]), "a quantized scheme's delta base is every tensor"
     expected = se.expected_tensors(model_dir, scheme)
+
+    def unit(name: str) -> str:
+        return name.removesuffix("_scale_inv").removesuffix("_scale")
+
     for v in (1, 2):
         whole, deltas = delta.split_push(wire(delta_of(versions[v - 1], versions[v], v, scheme)))
         sent = se.apply_to_host(host, whole, deltas, delta.checksum(versions[v]))
-        assert same(host, {k: versions[v][k] for k in host})
-        units = {k.removesuffix("_scale_inv").removesuffix("_scale") for k in deltas}
-        code_names = {k for k in sent if k in host and versions[v][k].dtype in delta.CODE_DTYPES}
-        assert code_names == units, "each changed code or scale goes with its partner, nothing unchanged goes"
-        assert {k for k in sent if k not in host} == {k for k in whole if k not in host}
+        assert same(host, versions[v])
+        assert {unit(k) for k in sent} == {unit(k) for k in [*deltas, *whole]}, "only what changed goes"
+        for code in (k for k in sent if versions[v][k].dtype in delta.CODE_DTYPES):
+            assert {n for n in host if unit(n) == code} <= set(sent), "a code tensor goes with its scale"
         se.check_push(expected, sent, partial=True)
         sglang_payload.named_tensors(sent, scheme)  # codes and scales pair up as SGLang loads them
     with pytest.raises(delta.ChecksumMismatch):
         se.apply_to_host(host, whole, deltas, "crc32:00000000")
-    assert same(host, {k: versions[2][k] for k in host})
+    assert same(host, versions[2])
+    plain = {k: t for k, t in versions[0].items() if t.dtype not in delta.CODE_DTYPES}
+    none_host: dict = {}
+    se.keep_host_copy(none_host, plain, "none")
+    assert not none_host, "rollout.quant=none takes full pushes only: no host copy of the whole model"
 
 
-def test_checksum_covers_codes_and_scales_only(trajectory):
+def test_checksum_covers_every_tensor_of_a_quantized_push(trajectory):
     v = trajectory["int8"][1]
+    assert delta.checked_names(v) == sorted(v)
     changed = dict(v, **{"model.norm.weight": v["model.norm.weight"] + 1})
-    assert delta.checksum(changed) == delta.checksum(v)  # whole every push: the transport covers it
+    assert delta.checksum(changed) != delta.checksum(v)  # unquantized tensors are deltas too: covered
     name = next(k for k in v if k.endswith("_scale"))
     assert delta.checksum(dict(v, **{name: v[name] * 2})) != delta.checksum(v)
     code = name.removesuffix("_scale")
     flipped = v[code].clone()
     flipped.view(-1)[0] ^= 1
     assert delta.checksum(dict(v, **{code: flipped})) != delta.checksum(v)
+    plain = {k: t for k, t in v.items() if t.dtype not in delta.CODE_DTYPES}  # a push of rollout.quant=none
+    assert delta.checked_names(plain) == []
+    assert delta.checksum(plain) == delta.checksum(dict(plain, **{"model.norm.weight": v["model.norm.weight"] + 1}))
+
+
+def test_fp32_unquantized_tensors_go_whole_where_that_is_smaller(trajectory):
+    v0, v1 = trajectory["int8"][0], trajectory["int8"][1]
+    plain = {k for k, t in v1.items() if t.dtype == torch.float32 and not k.endswith("_scale")}
+    whole, deltas = delta.diff(v0, v1)
+    assert plain <= set(whole), "every fp32 element moved: each whole tensor is smaller than its delta"
+    norm = "model.norm.weight"
+    few = dict(v1, **{norm: v0[norm].clone()})
+    few[norm][3] += 1
+    whole, deltas = delta.diff(v0, few)
+    assert norm not in whole and deltas[norm].indices.tolist() == [3] and deltas[norm].values.dtype == torch.float32
+    whole, deltas = delta.diff(v0, dict(v1, **{norm: v0[norm]}))
+    assert norm not in whole and norm not in deltas, "an unchanged tensor is left out"
+
+
+# -- a bf16 engine at an RL learning rate: the unquantized tensors travel as small deltas ---------------------------
+
+LR = 1e-6
+
+
+@pytest.fixture(scope="module")
+def bf16_versions(model_dir):
+    """int8 engine tensors of versions 0..6 as the learner builds them for a bf16 engine, weights moving by LR
+    per version with Adam's step shape (every element, by about the learning rate)."""
+    state = engine_state(model_dir)
+    gen = torch.Generator().manual_seed(1)
+    versions = []
+    for _ in range(7):
+        versions.append(engine_tensors(dict(state), "int8", 8, torch.bfloat16, tied=False))
+        for v in state.values():
+            v.sub_(LR * torch.sign(torch.randn(v.shape, generator=gen)))
+    return versions
+
+
+def _bf16_engine(model_dir, versions):
+    engine = load_engine(model_dir, quant="int8", dtype="bfloat16", max_batch=2, max_seq_len=32)
+    engine.update_weights({k: v.clone() for k, v in versions[1].items()}, 1)
+    return engine
+
+
+def test_bf16_engine_takes_small_exact_deltas_of_every_tensor(model_dir, bf16_versions):
+    versions = bf16_versions
+    engine = _bf16_engine(model_dir, versions)
+    ptrs = {k: v.data_ptr() for k, v in engine.weights.items()}
+    counters = {"weight_pushes_applied": 0, "weight_pushes_rejected": 0, "weight_pushes_ignored": 0}
+    receiver = WeightReceiver(engine, "int8", counters, lambda: pytest.fail("no full push should be needed"))
+    embed = "model.embed_tokens.weight"
+    for v in range(2, 7):
+        push = wire(delta_of(versions[v - 1], versions[v], v))
+        bf16 = {k for k, t in versions[v].items() if t.dtype == torch.bfloat16}
+        assert not bf16 & set(push.tensors), "no unquantized bf16 tensor travels whole at this learning rate"
+        _, deltas = delta.split_push(push)
+        assert embed in deltas and deltas[embed].indices.numel() < 0.05 * versions[v][embed].numel()
+        assert nbytes(push) <= 0.10 * nbytes(full_of(versions[v], v)), (nbytes(push), nbytes(full_of(versions[v], v)))
+        receiver.apply([push])
+        assert engine.version == v and same(engine.weights, versions[v]), f"version {v} not bit-equal"
+    assert counters["weight_deltas_applied"] == 5 and counters["weight_pushes_rejected"] == 0
+    assert ptrs == {k: t.data_ptr() for k, t in engine.weights.items()}
+
+
+def test_bf16_corrupted_unquantized_tensor_is_refused_by_checksum(model_dir, bf16_versions):
+    versions = bf16_versions
+    engine = _bf16_engine(model_dir, versions)
+    before = {k: v.clone() for k, v in engine.weights.items()}
+    whole, deltas = delta.split_push(wire(delta_of(versions[1], versions[2], 2)))
+    embed, norm = "model.embed_tokens.weight", "model.norm.weight"
+    d = deltas[embed]
+    flipped = d.values.clone()
+    flipped.view(torch.int16)[0] ^= 1  # one bf16 ulp off
+    with pytest.raises(delta.ChecksumMismatch, match="learner's have"):
+        engine.apply_delta(whole, {**deltas, embed: delta.Delta(d.indices, flipped)}, 2, delta.checksum(versions[2]))
+    assert engine.version == 1 and same(engine.weights, before)
+    wrong = versions[2][norm].clone()
+    wrong.view(torch.int16)[0] ^= 1
+    with pytest.raises(delta.ChecksumMismatch):  # a whole tensor is written only once the checksum holds
+        engine.apply_delta({**whole, norm: wrong}, deltas, 2, delta.checksum(versions[2]))
+    assert engine.version == 1 and same(engine.weights, before)
+    engine.apply_delta(whole, deltas, 2, delta.checksum(versions[2]))
+    assert engine.version == 2 and same(engine.weights, versions[2])
 
 
 # -- end to end: a real server process, the learner's real WeightSender and ControlPlane -----------------------------
@@ -466,14 +565,17 @@ def test_sync_benchmark_quick(tmp_path):
     report = json.loads(out.read_text())
     assert report["benchmark"] == "sync" and {"cpu", "cores", "torch", "python"} <= set(report["machine"])
     summaries = [r for r in report["rows"] if r["kind"] == "summary"]
-    assert {(r["model"], r["s"]) for r in summaries} == {
-        (m, s) for m in ("demo", "qwen2-random-quick") for s in (1.0, 1.5, 2.0)
-    }
+    assert sorted((r["model"], r["s"], r["engine_dtype"]) for r in summaries) == sorted(
+        (m, s, dt) for m in ("demo", "qwen2-random-quick") for s in (1.0, 1.5, 2.0) for dt in ("float32", "bfloat16")
+    )
     for r in summaries:
         assert 0 < r["changed_frac"] < 1 and r["full_every"] == 10
         assert min(r["changed_frac_qkv"], r["changed_frac_other"]) <= r["changed_frac"]
         assert r["changed_frac"] <= max(r["changed_frac_qkv"], r["changed_frac_other"])
         assert r["delta_bytes"] < r["full_bytes"]  # codes that barely move cost less as a delta
+        assert r["delta_bytes"] <= r["codes_only_delta_bytes"]  # deltas of every tensor never cost more
+    small_lr_bf16 = next(r for r in summaries if r["lr"] == 1e-6 and r["engine_dtype"] == "bfloat16")
+    assert small_lr_bf16["bytes_ratio"] < 0.5 * small_lr_bf16["codes_only_bytes_ratio"]
     assert set(report["ratios"]) == {
         f"{m}/s{s}/changed_{p}" for m in ("demo", "qwen2-random-quick") for s in ("1.5", "2") for p in ("qkv", "other")
     }

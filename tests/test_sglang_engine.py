@@ -222,7 +222,7 @@ def test_quantized_version_zero_pushes_and_deltas_land_in_place(scheme, qwen, tm
         assert pointers and all(k.endswith((".weight", "_scale", "_scale_inv")) for k in pointers)
         engine.update_weights(quantize_state_dict(v1, scheme), version=1)
         check(v1, base)
-        # a delta from v1 to v2 (here every code moves; the checksum proves the host copy is v2's codes)
+        # a delta from v1 to v2 (here every code moves; the checksum proves the host copy is every tensor of v2)
         q1, q2 = quantize_state_dict(v1, scheme), quantize_state_dict(v2, scheme)
         whole, deltas = delta.diff(q1, q2)
         engine.apply_delta(whole, deltas, version=2, checksum=delta.checksum(q2))

@@ -165,17 +165,21 @@ def check_push(expected: dict, tensors: dict[str, torch.Tensor], partial: bool =
             raise ValueError(f"update_weights: {name} is {t.dtype} {tuple(t.shape)}, the engine loads {want} {shape}")
 
 
-def keep_host_copy(host: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-    """Store CPU copies of the codes and scales among `tensors` in `host`, the base the next delta applies to."""
-    for name in delta.checked_names(tensors):
-        host[name] = tensors[name].to("cpu", copy=True).contiguous()
+def keep_host_copy(host: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], scheme: str) -> None:
+    """Store CPU copies of `tensors` in `host`, the base the next delta applies to; for `none` nothing (full pushes
+    only: the base would be the whole model per replica). Takes the scheme, as one checkpoint file may hold no codes."""
+    if SCHEMES[scheme].code_dtype is None:
+        return
+    for name, t in tensors.items():
+        host[name] = t.to("cpu", copy=True).contiguous()
 
 
 def apply_to_host(
     host: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta], checksum: str
 ) -> dict[str, torch.Tensor]:
-    """Apply a delta push to the host copy; return what SGLang must load: every changed code tensor with its scale
-    (the two travel as one unit) and the other tensors sent whole. Raises like qurl.delta.apply, host unchanged."""
+    """Apply a delta push to the host copy; return what SGLang must load: every changed tensor, a code tensor with
+    its scale (the two travel as one unit), and tensors the host lacks as sent. Raises like qurl.delta.apply, host
+    unchanged."""
     touched = {name: t for name, t in whole.items() if name in host}
     delta.apply(host, touched, deltas, checksum)
     out = {name: t for name, t in whole.items() if name not in host}
@@ -194,7 +198,7 @@ class SGLangEngine:
         self._loop: asyncio.AbstractEventLoop = engine.loop
         self._tm = engine.tokenizer_manager
         self._version = 0
-        self.host: dict[str, torch.Tensor] = {}  # CPU copy of the codes and scales, the base of delta pushes
+        self.host: dict[str, torch.Tensor] = {}  # CPU copy of every tensor (quantized schemes): the delta base
         self._tasks: dict[asyncio.Task, tuple[Hashable, int]] = {}  # task -> (request id, n)
         self._in_flight: set[Hashable] = set()
 
@@ -340,7 +344,7 @@ class SGLangEngine:
         check_push(self.expected, named_tensors, partial)
         named = payload.named_tensors(named_tensors, self.scheme)
         self._session(iter(payload.buckets(named, self.bucket_bytes)), version)
-        keep_host_copy(self.host, named_tensors)
+        keep_host_copy(self.host, named_tensors, self.scheme)
 
     def apply_delta(
         self, whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta], version: int, checksum: str
@@ -362,7 +366,7 @@ class SGLangEngine:
 
         for f in checkpoint_files(path):
             tensors = quantize_state_dict(load_file(f), self.scheme)
-            keep_host_copy(self.host, tensors)
+            keep_host_copy(self.host, tensors, self.scheme)
             yield from payload.buckets(payload.named_tensors(tensors, self.scheme), self.bucket_bytes)
 
     def _session(self, bucket_iter: Iterator[payload.Named], version: int) -> None:
