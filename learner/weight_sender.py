@@ -15,7 +15,7 @@ from learner.control_plane import ControlPlane
 from qurl import delta
 from qurl.frames import from_torch
 from qurl.protocol import WeightPush, WeightRef
-from qurl.quant import changed_fraction
+from qurl.quant import CODE_DTYPES, changed_fraction
 
 
 @dataclass
@@ -99,7 +99,7 @@ def _nbytes(push: WeightPush) -> int:
 
 
 def _codes(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: t for name, t in tensors.items() if t.dtype in (torch.int8, torch.float8_e4m3fn)}
+    return {name: t for name, t in tensors.items() if t.dtype in CODE_DTYPES}
 
 
 def _changed_frac(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:

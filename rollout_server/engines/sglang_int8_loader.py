@@ -70,7 +70,7 @@ def split(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict, list
             rest.append((name, t))
             continue
         scale = by_name.get(name + SCALE)
-        if t.dtype == torch.int8:
+        if t.dtype == INT8.code_dtype:
             if scale is None:
                 raise ValueError(f"{name}: int8 codes need {name + SCALE} in the same update call")
             if scale.shape != (t.shape[0], 1):
