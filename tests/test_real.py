@@ -161,9 +161,7 @@ def test_recipe_runs_end_to_end(real_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "qurl.launcher",
+            str(Path(sys.executable).parent / "qurl-async"),  # the console script (qurl.launcher has no __main__)
             "--config",
             str(CONFIG),
             f"run.dir={run}",
