@@ -39,6 +39,29 @@ QWEN2_150M = dict(
 )
 
 
+# config -> (quant, model dtype, int8 lm_head). "+bf16": quantized linears with bf16 embeddings, norms, lm_head and
+# KV cache; "+head": logits from an int8 copy of the lm_head (quant.lm_head)
+OWN = {
+    "fp32": ("none", "float32", False),
+    "bf16": ("none", "bfloat16", False),
+    "int8": ("int8", "float32", False),
+    "int8+head": ("int8", "float32", True),
+    "int8+bf16": ("int8", "bfloat16", False),
+    "int8+bf16+head": ("int8", "bfloat16", True),
+    "fp8": ("fp8", "float32", False),  # fp8 = 128x128 block scales
+    "fp8+bf16": ("fp8", "bfloat16", False),
+    "fp8-channel+bf16": ("fp8-channel", "bfloat16", False),  # the torch._scaled_mm path on CUDA
+}
+
+
+def step_bytes(engine) -> int:
+    """Weight bytes one decode step streams: every projection's buffers and the lm_head (or its int8 copy)."""
+    model = engine.model
+    linears = [lin for layer in model.layers for lin in layer.linears]
+    head = [model.head.weight, model.head.scale] if model.head is not None else [model.lm_head]
+    return sum(t.nbytes for lin in linears for t in lin.named.values()) + sum(t.nbytes for t in head)
+
+
 def emit(result: dict, out: str | None) -> None:
     """Print the benchmark's JSON on stdout and, with --out, also write it to that file."""
     text = json.dumps(result, indent=1)

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, machine_info  # noqa: E402  (benchmarks/common.py)
+from common import OWN, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
 from qurl.data import PromptDataset  # noqa: E402
 from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
@@ -42,10 +42,7 @@ from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 PARTS = ("mismatch", "decode", "learner", "sync")
 RECIPE_LR = 1e-5  # configs/smollm2-gsm-cpu.yaml train.lr
 DECODE_FORMATS = {
-    "fp32": ("none", "float32"),
-    "bf16": ("none", "bfloat16"),
-    "int8": ("int8", "float32"),
-    "fp8": ("fp8", "float32"),
+    name: OWN[name] for name in ("fp32", "bf16", "int8", "int8+head", "int8+bf16", "int8+bf16+head", "fp8")
 }
 
 
@@ -73,9 +70,9 @@ def scaled_copy(model: str, path: str, s: float) -> str:
 def mismatch_rows(model: str, prompts: list[list[int]], new_tokens: int, tmp: str) -> list[dict]:
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     rows = []
-    for quant, s in (("int8", 1.0), ("fp8", 1.0), ("int8", 1.5)):
+    for quant, s, head in (("int8", 1.0, False), ("int8", 1.0, True), ("fp8", 1.0, False), ("int8", 1.5, False)):
         path = model if s == 1.0 else scaled_copy(model, os.path.join(tmp, f"s{s}"), s)
-        engine = load_engine(path, quant=quant, max_batch=len(prompts), max_seq_len=512)
+        engine = load_engine(path, quant=quant, max_batch=len(prompts), max_seq_len=512, int8_lm_head=head)
         tokens = new_tokens if quant != "fp8" else max(2, new_tokens // 4)  # fp8 on CPU is a correctness path
         reqs = [
             GenRequest(p, max_new_tokens=tokens, temperature=1.0, seed=i, stop_token_ids=[2])
@@ -94,6 +91,7 @@ def mismatch_rows(model: str, prompts: list[list[int]], new_tokens: int, tmp: st
                 "part": "mismatch",
                 "quant": quant,
                 "s": s,
+                "int8_lm_head": head,
                 "reference": "transformers fp32",
                 "prompts": len(prompts),
                 "tokens": lr.numel(),
@@ -113,8 +111,10 @@ def decode_rows(model: str, prompts: list[list[int]], new_tokens: int, repeats: 
     """Prefill alone (1 new token) and the whole generation; decode tokens/s is the difference's rate."""
     rows = []
     for name in formats:
-        quant, dtype = DECODE_FORMATS[name]
-        engine = load_engine(model, quant=quant, dtype=dtype, max_batch=len(prompts), max_seq_len=512)
+        quant, dtype, head = DECODE_FORMATS[name]
+        engine = load_engine(
+            model, quant=quant, dtype=dtype, max_batch=len(prompts), max_seq_len=512, int8_lm_head=head
+        )
         tokens = new_tokens if quant != "fp8" else max(2, new_tokens // 8)  # fp8 on CPU is a correctness path
         engine.generate([GenRequest(prompts[0], max_new_tokens=2)])  # warm-up
 
@@ -132,6 +132,8 @@ def decode_rows(model: str, prompts: list[list[int]], new_tokens: int, repeats: 
                 "config": name,
                 "quant": quant,
                 "model_dtype": dtype,
+                "int8_lm_head": head,
+                "weight_bytes_per_step": step_bytes(engine),
                 "batch": len(prompts),
                 "prompt_len_mean": statistics.mean(map(len, prompts)),
                 "new_tokens": tokens,

@@ -5,6 +5,9 @@ and continuous against static batching on RL-shaped response lengths (tokens_per
 
 Prints one JSON object (design.md section 9). Configurations are measured round-robin, one repeat of
 each per round, so that load from other processes spreads over all of them; rows hold medians.
+`byte_limits`: a decode step streams every weight once, so the ratio of two configs' weight bytes per step
+bounds their speed ratio; each entry gives that limit, the share of it measured, and (CPU) the same ratio over
+GEMM time alone (one profiled run per config, `gemm_share`), which separates the kernels from per-step overhead.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import QWEN2_150M, emit, machine_info  # noqa: E402  (benchmarks/common.py)
+from common import OWN, QWEN2_150M, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
@@ -36,16 +39,6 @@ QUICK = dict(
     intermediate_size=128,
     vocab_size=256,
 )
-# config -> (quant, model dtype). "+bf16": quantized linears with bf16 embeddings, norms, lm_head and KV cache
-OWN = {
-    "fp32": ("none", "float32"),
-    "bf16": ("none", "bfloat16"),
-    "int8": ("int8", "float32"),
-    "int8+bf16": ("int8", "bfloat16"),
-    "fp8": ("fp8", "float32"),  # fp8 = 128x128 block scales
-    "fp8+bf16": ("fp8", "bfloat16"),
-    "fp8-channel+bf16": ("fp8-channel", "bfloat16"),  # the torch._scaled_mm path on CUDA
-}
 HF = {"hf-fp32": torch.float32, "hf-bf16": torch.bfloat16}
 
 
@@ -63,6 +56,20 @@ def build_model(path: str, quick: bool) -> int:
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(path, safe_serialization=True)
     return sum(p.numel() for p in model.parameters())
+
+
+GEMM_OPS = ("mkldnn::_linear_pointwise", "onednn::qlinear_pointwise", "aten::mm", "aten::addmm", "aten::_int_mm")
+
+
+def gemm_share(fn) -> float:
+    """Share of one run's operator time spent in weight GEMMs (torch.profiler, CPU): the rest is per-step overhead."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    ops = prof.key_averages()
+    total = sum(k.self_cpu_time_total for k in ops)
+    return sum(k.self_cpu_time_total for k in ops if k.key in GEMM_OPS) / total if total else 0.0
 
 
 def sync(device: str) -> None:
@@ -160,7 +167,11 @@ def main(argv: list[str] | None = None) -> dict:
     new_tokens = args.new_tokens or (4 if q else 64)
     batches = [int(b) for b in (args.batches or ("1,4" if q else "1,16,64")).split(",")]
     # on CPU fp8 is a correctness path (~0.5 s per step to dequantize the weights): ask for it with --configs
-    default = [*OWN, *HF] if args.device == "cuda" else ["fp32", "bf16", "int8", "int8+bf16", *HF]
+    default = (
+        [*OWN, *HF]
+        if args.device == "cuda"
+        else ["fp32", "bf16", "int8", "int8+head", "int8+bf16", "int8+bf16+head", *HF]
+    )
     configs = (args.configs or ",".join(default)).split(",")
     unknown = [c for c in configs if c not in OWN and c not in HF]
     if unknown:
@@ -178,11 +189,12 @@ def main(argv: list[str] | None = None) -> dict:
         warmups = []
         for name in configs:
             if name in OWN:
-                quant, dtype = OWN[name]
+                quant, dtype, head = OWN[name]
                 engine = load_engine(
                     tmp,
                     quant=quant,
                     dtype=dtype,
+                    int8_lm_head=head,
                     device=args.device,
                     max_batch=max(batches + [rl_batch]),
                     max_seq_len=max_seq,
@@ -195,6 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
                         dtype=name.split("+")[0].split("-")[0],
                         model_dtype=dtype,
                         quant=quant,
+                        int8_lm_head=head,
+                        weight_bytes_per_step=step_bytes(engine),
                         batch=b,
                         workload="decode",
                         prompt_len=prompt_len,
@@ -222,9 +236,15 @@ def main(argv: list[str] | None = None) -> dict:
         for fn in warmups:  # allocator, kernels, lazy initialisation
             timed(fn, args.device)
         if rl_n:
-            quant, dtype = OWN[args.rl_config]
+            quant, dtype, head = OWN[args.rl_config]
             engine = load_engine(
-                tmp, quant=quant, dtype=dtype, device=args.device, max_batch=rl_batch, max_seq_len=max_seq
+                tmp,
+                quant=quant,
+                dtype=dtype,
+                device=args.device,
+                max_batch=rl_batch,
+                max_seq_len=max_seq,
+                int8_lm_head=head,
             )
             for mode, fn in rl_runs(engine, lengths, rl_batch, prompt_len, vocab).items():
                 row = dict(
@@ -256,6 +276,12 @@ def main(argv: list[str] | None = None) -> dict:
                     peak[key] = max(peak.get(key, 0.0), torch.cuda.max_memory_allocated() / 2**20)
                 print(f"# {key}: {times[key][-1]:.2f} s", file=sys.stderr, flush=True)
 
+        shares = {}  # after the timed rounds, on CPU: where a decode step's time goes
+        if args.device == "cpu":
+            for key, (row, fn) in runs.items():
+                if row["engine"] == "qurl" and row["workload"] == "decode":
+                    shares[key] = round(gemm_share(fn), 4)
+
     rows = []
     for key, (row, _) in runs.items():
         tokens = row["batch"] * row["new_tokens"] if row["workload"] == "decode" else sum(lengths)
@@ -270,6 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "tokens_per_s": round(tokens / seconds, 2),
                 "tokens_per_s_best": round(tokens / fastest, 2),
                 "repeats": len(times[key]),
+                **({"gemm_share": shares[key]} if key in shares else {}),
                 **({"peak_gpu_mb": round(peak[key], 1)} if key in peak else {}),
             }
         )
@@ -280,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ratios": ratios(rows, 4 if q else 16),
         # from each row's fastest repeat: on a shared machine, the least disturbed view
         "ratios_best": ratios(rows, 4 if q else 16, "tokens_per_s_best"),
+        "byte_limits": byte_limits([r for r in rows if r["workload"] == "decode"], 4 if q else 16),
     }
     emit(result, args.out)
     return result
@@ -298,6 +326,10 @@ def ratios(rows: list[dict], batch: int, measure: str = "tokens_per_s") -> dict:
         ("int8", "bf16"),
         ("int8+bf16", "fp32"),
         ("int8+bf16", "bf16"),
+        ("int8+head", "fp32"),
+        ("int8+head", "bf16"),
+        ("int8+bf16+head", "bf16"),
+        ("int8+bf16+head", "fp32"),
         ("bf16", "fp32"),
         ("fp8", "fp32"),
         ("fp8-channel+bf16", "bf16"),
@@ -312,6 +344,23 @@ def ratios(rows: list[dict], batch: int, measure: str = "tokens_per_s") -> dict:
     for a, b in pairs:
         if a in tps and b in tps:
             out[f"{a}/{b}" + ("" if a == "continuous" else f"@batch{batch}")] = round(tps[a] / tps[b], 3)
+    return out
+
+
+def byte_limits(rows: list[dict], batch: int) -> dict:
+    """Per own config against fp32 and bf16: the speed-up its weight bytes allow, and the share of it measured."""
+    by = {r["config"]: r for r in rows if r.get("weight_bytes_per_step") and r["batch"] == batch}
+    out = {}
+    for a, ra in by.items():
+        for b in ("fp32", "bf16"):
+            if b in by and a != b:
+                limit = by[b]["weight_bytes_per_step"] / ra["weight_bytes_per_step"]
+                got = ra["tokens_per_s"] / by[b]["tokens_per_s"]
+                entry = {"limit": round(limit, 3), "share_of_limit": round(got / limit, 3)}
+                if ra.get("gemm_share") and by[b].get("gemm_share"):  # the same ratio over GEMM time alone
+                    gemm = got * by[b]["gemm_share"] / ra["gemm_share"]
+                    entry.update(gemm_only=round(gemm, 3), gemm_only_share_of_limit=round(gemm / limit, 3))
+                out[f"{a}/{b}@batch{batch}"] = entry
     return out
 
 

@@ -106,6 +106,7 @@ class QuantConfig:
     invariant_scaling: InvariantScalingConfig = field(default_factory=InvariantScalingConfig)
     fp8_granularity: str = "block"  # block (128x128, SGLang's layout) | channel
     weight_bits: int = 8  # experimental: 4..7 puts int8 rollout weights on a coarser grid to stress mismatch
+    lm_head: bool = False  # opt-in: the torch engine's int8 rollout also computes logits from an int8 lm_head
 
 
 @dataclass
@@ -361,6 +362,11 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
         raise ConfigError(
             f"quant.weight_bits={bits!r} is not allowed; use 8, or 4..7 with rollout.quant=int8 and "
             "rollout.engine=torch (a mismatch study knob)"
+        )
+    if get(cfg, "quant.lm_head") and not int_torch:
+        raise ConfigError(
+            "quant.lm_head=true needs rollout.quant=int8 and rollout.engine=torch "
+            f"(got {get(cfg, 'rollout.quant')} on {get(cfg, 'rollout.engine')})"
         )
     if (
         get(cfg, "rollout.engine") == "sglang"

@@ -130,6 +130,7 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
         max_batch=get(cfg, "rollout.max_batch"),
         max_seq_len=get(cfg, "rollout.max_seq_len"),
         weight_bits=get(cfg, "quant.weight_bits"),
+        int8_lm_head=get(cfg, "quant.lm_head"),
         **options,
     )
     if hasattr(engine, "close"):

@@ -77,6 +77,7 @@ def test_overrides_apply_and_async_is_spelled_async():
         ("algo.drift_kl_threshold=inf", "algo.drift_kl_threshold"),
         ("rollout.mem_fraction=nan", "rollout.mem_fraction"),
         ("data.train_files=a.jsonl", "data.train_files"),
+        ("quant.lm_head=maybe", "quant.lm_head"),
     ],
 )
 def test_bad_values_name_the_key(override, key):

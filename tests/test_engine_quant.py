@@ -13,6 +13,7 @@ from qurl.quant import (
     quantize_fp8,
     quantize_int8,
     quantize_state_dict,
+    quantize_uint8_shifted,
 )
 from rollout_server.engines import GenRequest, load_engine
 from rollout_server.engines.linear import LINEARS, Int8Linear, int8_matmul
@@ -28,14 +29,19 @@ def fake_quant_activation(scheme: str, x: torch.Tensor) -> torch.Tensor:
     return deq(codes, scale.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)
 
 
-def fake_quant_reference(hf, path: str, scheme: str):
-    """The HF model on dequantized weights, with each projection's input fake-quantized per token."""
+def fake_quant_reference(hf, path: str, scheme: str, int8_lm_head: bool = False):
+    """The HF model on dequantized weights, with each projection's input fake-quantized per token (and the
+    lm_head's, on its own dequantized int8 copy, untied from the embedding, with `int8_lm_head`)."""
     sd = quantize_state_dict(load_file(f"{path}/model.safetensors"), scheme)
     wide = hf.dtype == torch.float64
     sd = {k: v.double() if wide and k.endswith(("_scale", "_scale_inv")) else v for k, v in sd.items()}
     hf.load_state_dict(dequantize_state_dict(sd, scheme), strict=False)
+    heads = ("lm_head",) if int8_lm_head else ()
+    if int8_lm_head:
+        codes, scale = quantize_int8(hf.lm_head.weight.detach())
+        hf.lm_head.weight = torch.nn.Parameter(dequantize_int8(codes, scale.to(hf.dtype)).to(hf.dtype))
     for name, module in hf.named_modules():
-        if name.rsplit(".", 1)[-1] in PROJ:
+        if name.rsplit(".", 1)[-1] in PROJ + heads:
             module.register_forward_pre_hook(lambda m, args: (fake_quant_activation(scheme, args[0]),))
     return hf
 
@@ -50,14 +56,16 @@ def fp64_norms(hf):
     return hf
 
 
-def quantized_gaps(tmp_path, family: str, scheme: str, dtype: str) -> torch.Tensor:
+def quantized_gaps(tmp_path, family: str, scheme: str, dtype: str, int8_lm_head: bool = False) -> torch.Tensor:
     """|engine logprob - fake-quant reference logprob| over greedy and sampled tokens under continuous batching."""
     hf = build_model(family, tmp_path)
     if dtype == "float64":
         hf = fp64_norms(hf.double())
-    ref = fake_quant_reference(hf, str(tmp_path), scheme)
+    ref = fake_quant_reference(hf, str(tmp_path), scheme, int8_lm_head)
     quant = "fp8" if scheme == "fp8-block" else scheme  # "fp8" means block scaling
-    engine = load_engine(str(tmp_path), quant=quant, dtype=dtype, device=DEVICE, max_batch=3, max_seq_len=64)
+    engine = load_engine(
+        str(tmp_path), quant=quant, dtype=dtype, device=DEVICE, max_batch=3, max_seq_len=64, int8_lm_head=int8_lm_head
+    )
     w = engine.weights["model.layers.0.mlp.down_proj.weight"]
     assert w.dtype == (torch.int8 if scheme == "int8" else torch.float8_e4m3fn)
     reqs = [GenRequest(p, n=2, max_new_tokens=10, temperature=0) for p in PROMPTS]
@@ -78,6 +86,38 @@ def test_quantized_parity_with_fake_quant_reference(tmp_path, family, scheme):
     kernels themselves (exact int32 `_int_mm`, the fp8 fallback) are the ones an fp32 engine runs."""
     gaps = quantized_gaps(tmp_path, family, scheme, "float64")
     assert gaps.max() <= 1e-3, gaps
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # tied and untied lm_head
+def test_int8_lm_head_parity_with_fake_quant_reference(tmp_path, family):
+    """quant.lm_head: the logits come from per-row int8 codes of the lm_head times per-token int8 activations."""
+    gaps = quantized_gaps(tmp_path, family, "int8", "float64", int8_lm_head=True)
+    assert gaps.max() <= 1e-3, gaps
+    engines = [
+        load_engine(str(tmp_path), quant="int8", dtype="float64", device=DEVICE, max_seq_len=64, int8_lm_head=h)
+        for h in (True, False)
+    ]
+    head, plain = (e.generate([GenRequest(PROMPTS[0], max_new_tokens=6, temperature=0)]) for e in engines)
+    gap = torch.tensor(head[0].samples[0].logprobs) - torch.tensor(plain[0].samples[0].logprobs)
+    assert gap.abs().max() > 1e-4  # the head really is int8, not the full-precision lm_head
+
+
+def test_int8_lm_head_needs_the_int8_torch_engine(tmp_path):
+    build_model("qwen2", tmp_path)
+    with pytest.raises(ValueError, match="int8_lm_head needs engine 'torch' and quant 'int8', got 'torch' and 'none'"):
+        load_engine(str(tmp_path), quant="none", int8_lm_head=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shifted_activation_codes_equal_quantize_int8(dtype):
+    """The decode path's one-pass activation quantizer gives quantize_int8's codes (+128) and scales bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(33, 200, generator=g) * torch.logspace(-3, 3, 33)[:, None]).to(dtype)
+    x[5] = 0  # an all-zero token
+    codes, scale = quantize_int8(x, dim=-1)
+    shifted, scale2 = quantize_uint8_shifted(x)
+    assert shifted.dtype == torch.uint8 and torch.equal(scale2, scale)
+    assert torch.equal(shifted.int() - 128, codes.int())
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -134,13 +174,15 @@ def test_cpu_prepacked_int8_equals_int_mm():
         torch.testing.assert_close(lin(x), int8_matmul(x, lin.weight, lin.scale_t), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("scheme", ("int8", "fp8-block"))
-def test_quantized_update_in_place(tmp_path, scheme):
+@pytest.mark.parametrize("scheme,head", [("int8", False), ("fp8-block", False), ("int8", True)])
+def test_quantized_update_in_place(tmp_path, scheme, head):
+    """With quant.lm_head the push carries the full-precision lm_head and the engine requantizes its int8 copy."""
     build_model("qwen3", tmp_path / "a", seed=0)
     build_model("qwen3", tmp_path / "b", seed=1)
     quant = "fp8" if scheme == "fp8-block" else scheme
-    a = load_engine(str(tmp_path / "a"), quant=quant, device=DEVICE, max_batch=4, max_seq_len=64)
-    b = load_engine(str(tmp_path / "b"), quant=quant, device=DEVICE, max_batch=4, max_seq_len=64)
+    kw = dict(quant=quant, device=DEVICE, max_batch=4, max_seq_len=64, int8_lm_head=head)
+    a = load_engine(str(tmp_path / "a"), **kw)
+    b = load_engine(str(tmp_path / "b"), **kw)
     # what a learner sends: its full-precision state dict quantized by qurl.quant
     pushed = quantize_state_dict(load_file(tmp_path / "b" / "model.safetensors"), scheme)
     assert set(pushed) == set(a.weights)

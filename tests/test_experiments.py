@@ -50,6 +50,14 @@ def test_weight_bits_config_check(demo_dir):
             load_config(None, [*paths, *bad])
 
 
+def test_int8_lm_head_config_check(demo_dir):
+    paths = [f"model.path={demo_dir}/model", f"data.train_files=[{demo_dir}/train.jsonl]"]
+    assert load_config(None, [*paths, "quant.lm_head=true"]).quant.lm_head is True  # the demo rolls out int8
+    for bad in (["rollout.quant=none"], ["rollout.quant=fp8"]):
+        with pytest.raises(ConfigError, match="quant.lm_head=true needs rollout.quant=int8 and rollout.engine=torch"):
+            load_config(None, [*paths, "quant.lm_head=true", *bad])
+
+
 def test_engine_loads_4_bit_codes_equal_to_quantize(demo_dir):
     from rollout_server.engines import load_engine
     from rollout_server.engines.model import ModelConfig, load_safetensors

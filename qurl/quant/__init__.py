@@ -7,6 +7,7 @@ from qurl.quant.absmax import (
     expand_blocks,
     quantize_fp8,
     quantize_int8,
+    quantize_uint8_shifted,
 )
 from qurl.quant.schemes import (
     CODE_DTYPES,
@@ -42,6 +43,7 @@ __all__ = [
     "lookup",
     "quantize_fp8",
     "quantize_int8",
+    "quantize_uint8_shifted",
     "quantize_state_dict",
     "scheme_for",
 ]

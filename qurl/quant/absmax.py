@@ -16,7 +16,7 @@ FP8_GRANULARITIES = ("tensor", "channel", "block")
 def _scale_from_amax(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """amax / qmax, with 1.0 where that is 0 so all-zero slices give zero codes instead of NaN."""
     scale = amax / qmax
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.where(scale > 0, scale, 1.0)
 
 
 def int_max(bits: int) -> float:
@@ -34,6 +34,15 @@ def quantize_int8(x: torch.Tensor, dim: int = -1, bits: int = 8) -> tuple[torch.
     scale = _scale_from_amax(x.abs().amax(dim=dim, keepdim=True), qmax)
     codes = (x / scale).round_().clamp_(-qmax, qmax).to(torch.int8)
     return codes, scale
+
+
+def quantize_uint8_shifted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int8(x)'s per-token codes plus 128 as uint8 (oneDNN's zero-point-128 input), in fewer passes.
+
+    |x / scale| <= 127 by construction, so quantize_int8's clamp never acts and the shift cannot wrap.
+    """
+    scale = _scale_from_amax(x.abs().amax(dim=-1, keepdim=True).float(), 127.0)  # amax is exact in any dtype
+    return torch.div(x, scale).round_().add_(128).to(torch.uint8), scale  # bf16 / fp32 divides in fp32
 
 
 def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

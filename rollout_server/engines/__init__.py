@@ -84,13 +84,15 @@ def load_engine(
     mem_fraction: float | None = None,
     seed: int = 0,
     weight_bits: int = 8,
+    int8_lm_head: bool = False,
     server_args: dict | None = None,
 ):
     """Build a rollout engine from a Hugging Face folder; the import stays lazy so this module is light.
 
     tp_size, gpus (this replica's GPUs, see sglang_args.placement), mem_fraction, seed and server_args (any other
     ServerArgs field) apply to SGLang only;
-    weight_bits < 8 (torch engine, int8 only) is the quant.weight_bits mismatch study knob.
+    weight_bits < 8 (torch engine, int8 only) is the quant.weight_bits mismatch study knob;
+    int8_lm_head (torch engine, int8 only) is quant.lm_head: logits from an int8 copy of the lm_head.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; allowed: {', '.join(ENGINES)}")
@@ -99,6 +101,8 @@ def load_engine(
         raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     if weight_bits != 8 and engine != "torch":
         raise ValueError(f"weight_bits={weight_bits} needs engine 'torch', got {engine!r}")
+    if int8_lm_head and (engine != "torch" or scheme.name != "int8"):
+        raise ValueError(f"int8_lm_head needs engine 'torch' and quant 'int8', got {engine!r} and {scheme.name!r}")
     if engine == "sglang":  # GPU nodes; fails with one line (install the `sglang` extra) where sglang is absent
         from rollout_server.engines.sglang_engine import SGLangEngine
 
@@ -127,4 +131,5 @@ def load_engine(
         max_batch=max_batch,
         max_seq_len=max_seq_len,
         weight_bits=weight_bits,
+        int8_lm_head=int8_lm_head,
     )

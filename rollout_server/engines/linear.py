@@ -12,7 +12,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qurl.quant import FP8_BLOCK, FP8_CHANNEL, INT8, NONE, Scheme, expand_blocks, quantize_fp8, quantize_int8
+from qurl.quant import (
+    FP8_BLOCK,
+    FP8_CHANNEL,
+    INT8,
+    NONE,
+    Scheme,
+    expand_blocks,
+    quantize_fp8,
+    quantize_int8,
+    quantize_uint8_shifted,
+)
 
 _CUDA_INT_MM_MIN_M = 17  # cuBLAS int8 GEMM in torch._int_mm needs more than 16 rows
 _ONEDNN = torch.backends.mkldnn.is_available()
@@ -96,7 +106,7 @@ class Int8Linear(_RowScaled):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype != torch.float64:
-            return self._add_bias(self._int8_onednn(x), x)
+            return self._add_bias(self._int8_onednn(x, x.dtype), x)
         return self._add_bias(int8_matmul(x, self.weight, self.scale_t), x)
 
     def repack(self) -> None:
@@ -104,10 +114,9 @@ class Int8Linear(_RowScaled):
         if self._onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
 
-    def _int8_onednn(self, x: torch.Tensor) -> torch.Tensor:
+    def _int8_onednn(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Same math as int8_matmul: int8 codes shifted to uint8 with zero point 128 (oneDNN's fast s8 path), exact."""
-        xq, xs = quantize_int8(x, dim=-1)
-        xu = xq.view(torch.uint8).bitwise_xor_(128)  # v + 128 as uint8: v's two's-complement bits, top one flipped
+        xu, xs = quantize_uint8_shifted(x)
         acc = torch.ops.onednn.qlinear_pointwise(
             xu,
             1.0,
@@ -123,7 +132,31 @@ class Int8Linear(_RowScaled):
             [],
             "",
         )
-        return acc.mul_(xs)
+        return torch.mul(acc, xs, out=torch.empty(acc.shape, dtype=out_dtype))  # scaled in fp32, one store
+
+
+class Int8Head(Int8Linear):
+    """An int8 copy of a full-precision lm_head (quant.lm_head): the push keeps carrying `source`, requantized here."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        self.source = source
+        codes, scale = quantize_int8(source, dim=-1)
+        super().__init__(
+            ["lm_head"], {"lm_head.weight": codes, "lm_head.weight_scale": scale}, source.dtype, source.device
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits stay in the int32 sums' fp32: no round trip through a bf16 model dtype."""
+        if self.packed is not None and x.dtype != torch.float64:
+            return self._int8_onednn(x, torch.float32)
+        return int8_matmul(x, self.weight, self.scale_t)
+
+    def refresh(self) -> None:
+        """Requantize after a push wrote `source` in place."""
+        codes, scale = quantize_int8(self.source, dim=-1)
+        self.weight.copy_(codes)
+        self.scale.copy_(scale)
+        self.repack()
 
 
 class Fp8ChannelLinear(_RowScaled):

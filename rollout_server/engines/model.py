@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from qurl.quant import Scheme
-from rollout_server.engines.linear import LINEARS, dense_linear
+from rollout_server.engines.linear import LINEARS, Int8Head, dense_linear
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
@@ -210,6 +210,7 @@ class Transformer:
         dtype: torch.dtype,
         device: torch.device,
         max_seq_len: int,
+        int8_lm_head: bool = False,
     ) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.embed = own(tensors["model.embed_tokens.weight"], dtype, device)
@@ -220,6 +221,9 @@ class Transformer:
         else:
             self.lm_head = own(tensors["lm_head.weight"], dtype, device)
             self.named["lm_head.weight"] = self.lm_head
+        # quant.lm_head: logits from an int8 copy (a quarter of an fp32 decode step's bytes); pushes still carry lm_head
+        self.head = Int8Head(self.lm_head) if int8_lm_head else None
+        self._head_source = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         self.layers = [Layer(cfg, i, tensors, scheme, dtype, device) for i in range(cfg.num_layers)]
         for layer in self.layers:
             self.named.update(layer.named)
@@ -235,8 +239,10 @@ class Transformer:
         self.scale = cfg.head_dim**-0.5
 
     def repack(self, names) -> None:
-        """Refresh the derived copies (prepacked int8 codes) of the linears whose buffers `names` wrote."""
+        """Refresh the derived copies (prepacked int8 codes, the int8 lm_head) of the buffers `names` wrote."""
         names = set(names)
+        if self.head is not None and self._head_source in names:
+            self.head.refresh()
         for layer in self.layers:
             for lin in layer.linears:
                 if not names.isdisjoint(lin.named):
@@ -261,8 +267,9 @@ class Transformer:
         return h + layer.down(F.silu(gate) * up)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and lm_head in the model dtype; fp32 logits."""
-        return dense_linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        """Final norm and lm_head in the model dtype (or its int8 copy); fp32 logits."""
+        x = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        return (dense_linear(x, self.lm_head) if self.head is None else self.head(x)).float()
 
     def prefill(self, tokens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int) -> torch.Tensor:
         """Run a prompt [T] into cache slot `slot` (positions 0..T-1); return the last position's logits [V]."""

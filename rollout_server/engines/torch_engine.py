@@ -83,6 +83,7 @@ class TorchEngine:
         max_batch: int = 64,
         max_seq_len: int = 2048,
         weight_bits: int = 8,
+        int8_lm_head: bool = False,
     ) -> TorchEngine:
         """Load full-precision HF weights, quantize them with qurl.quant, and keep exactly those buffers.
 
@@ -90,7 +91,7 @@ class TorchEngine:
         """
         cfg = ModelConfig.from_dir(path)
         tensors = quantize_state_dict(load_safetensors(path, cfg.tensor_shapes()), scheme.name, weight_bits)
-        model = Transformer(cfg, tensors, scheme, _DTYPES[dtype], torch.device(device), max_seq_len)
+        model = Transformer(cfg, tensors, scheme, _DTYPES[dtype], torch.device(device), max_seq_len, int8_lm_head)
         return cls(model, max_batch, max_seq_len)
 
     @property
