@@ -47,6 +47,7 @@ CURVE_KEYS = (
     "sync/seconds",
 )
 EVAL_KEYS = ("eval/acc_fp", "eval/acc_quant")
+LOCK_YIELD_S = 5.0  # run_rounds: pause between segments, so jobs waiting for the CPU lock get it in between
 
 
 @dataclass
@@ -291,6 +292,7 @@ def run_rounds(runs: list[Run], horizon: int, segment: int, until: float, lock: 
             bad = run_all([dataclasses.replace(by_key[key], steps=end)], desc=f"{desc} {key}")
         per_segment.append(time.time() - started)
         failed += bad
+        time.sleep(LOCK_YIELD_S)
 
 
 def _note(bar, text: str) -> None:
