@@ -16,8 +16,9 @@ clipping (and ACR's widening of it) can act; its folders and outputs end in -mbN
 
 --real is the same comparison on the real recipe (configs/smollm2-gsm-cpu.yaml, SmolLM2-135M, INT8
 rollout, 2 mini-batches; FP8 is left out: on CPU it is a slow correctness path) trained on the templates
-the base model sometimes solves (`qurl-prepare-real --easy`, qurl/real/easy.py) and evaluated on the
-held-out templates filtered the same way. Steps are sized small (REAL_STEP). The runs advance round-robin
+the base model sometimes solves (`qurl-prepare-real --easy`, qurl/real/easy.py) and evaluated on new
+instances of those templates (gsm/fresh-easy.jsonl; the held-out templates filtered the same way leave one,
+which the base model never solves greedily). Steps are sized small (REAL_STEP). The runs advance round-robin
 in --segment-step segments, each under flock(--lock), until --steps or the --until deadline (UTC HH:MM),
 so every configuration has about the same horizon at any stop; rerun the same command to continue, or
 with --report to only rewrite OUT/ablation-real.json and .png from the run folders.
@@ -131,13 +132,15 @@ def build_runs(configs: dict[str, list[str]], args: argparse.Namespace, benchmar
 
 
 def real_data(quick: bool) -> list[str]:
-    """Model and data paths of the prepared real track ($QURL_REAL_DIR); the easy splits unless quick."""
+    """Model and data paths of the prepared real track ($QURL_REAL_DIR); the easy splits unless quick. The eval
+    set is fresh instances of the easy training templates: the one easy held-out template scores 0 of 32 greedily
+    at the start, so held-out templates would not move."""
     from qurl.real.prepare import MODEL_DIR, default_root, read_info
 
     root = (ROOT / default_root()).resolve()
     if read_info(root) is None:
         raise SystemExit(f"ablation.py --real: no prepared real track at {root}; run qurl-prepare-real --easy")
-    train, held = ("train", "heldout") if quick else ("train-easy", "heldout-easy")
+    train, held = ("train", "heldout") if quick else ("train-easy", "fresh-easy")
     if not (root / "gsm" / f"{train}.jsonl").is_file():
         raise SystemExit(f"ablation.py --real: {root}/gsm/{train}.jsonl missing; run qurl-prepare-real --easy")
     return [
@@ -267,7 +270,7 @@ def plot_real(rows: list[dict], path: str, args: argparse.Namespace) -> None:
     axes[3].set_xlabel("learner step")
     axes[3].grid(alpha=0.3)
     axes[3].legend(fontsize=7)
-    fig.suptitle(f"real-model ablation: SmolLM2-135M, GSM-Symbolic (easy templates), INT8 rollout, {REAL_STEP[:3]}")
+    fig.suptitle(f"real-model ablation: SmolLM2-135M, GSM-Symbolic easy templates, INT8 rollout, {REAL_STEP[:3]}")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -7,6 +7,8 @@ correct sample. It writes, next to the recipe's files in ``gsm/``::
 
     train-easy.jsonl     problems from the kept training templates (same one-shot prompt as train.jsonl)
     heldout-easy.jsonl   problems from the kept held-out templates (still disjoint from training)
+    fresh-easy.jsonl     new instances of the kept training templates, none of them in train-easy.jsonl: an
+                         eval set that moves when the trained templates are learned
     easy.json            the settings, every template's passes / samples, the kept lists, the wall time
 
 The instances measured are drawn with their own seed, so they are not the problems written out.
@@ -86,17 +88,27 @@ def _write(path: Path, problems: list[Problem], shot: Problem) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def write_fresh(out: Path, generators: dict, templates: list[int], recipe: dict, shot: Problem) -> None:
+    """fresh-easy.jsonl: heldout_size new instances of the kept training templates, none in train-easy.jsonl."""
+    seen = {json.loads(line)["prompt"][-1]["content"] for line in (out / "train-easy.jsonl").open()}
+    draws = make_problems(generators, templates, 2 * recipe["heldout_size"], recipe["seed"] + 3)
+    _write(out / "fresh-easy.jsonl", [p for p in draws if p.question not in seen][: recipe["heldout_size"]], shot)
+
+
 def prepare_easy(root: Path, info: dict, s: EasySettings = EasySettings()) -> dict:
     """Measure, filter and write the easy splits under root/gsm unless easy.json already holds these settings."""
     from qurl.real.prepare import MODEL_DIR
 
     out = root / "gsm"
     done = out / "easy.json"
-    if done.is_file() and json.loads(done.read_text()).get("settings") == dataclasses.asdict(s):
-        return json.loads(done.read_text())
     recipe = info["recipe"]
     generators = load_generators()
     shot = make_problems(generators, [info["shot_template"]], 1, recipe["seed"] + 2)[0]  # the recipe's shot
+    if done.is_file() and json.loads(done.read_text()).get("settings") == dataclasses.asdict(s):
+        cached = json.loads(done.read_text())
+        if not (out / "fresh-easy.jsonl").is_file():
+            write_fresh(out, generators, cached["train_templates"], recipe, shot)
+        return cached
     train_t, held_t = info["train_templates"], info["heldout_templates"]
     start = time.perf_counter()
     counts = pass_counts(str(root / MODEL_DIR), shot, train_t + held_t, s)
@@ -110,6 +122,7 @@ def prepare_easy(root: Path, info: dict, s: EasySettings = EasySettings()) -> di
         make_problems(generators, kept_held, recipe["heldout_size"], recipe["seed"] + 1),
         shot,
     )
+    write_fresh(out, generators, kept_train, recipe, shot)
     per = s.instances * s.samples
     result = {
         "settings": dataclasses.asdict(s),
