@@ -208,3 +208,25 @@ def test_real_ablation_quick_runs_a_segment_and_reports(real_dir: Path, tmp_path
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(json.loads((tmp_path / "runs" / "int8-acr-seed0" / "bench_run.json").read_text())["walls"]) == 1
+
+
+def test_easy_splits_keep_passing_templates_and_fresh_problems_are_new(real_dir: Path, tmp_path: Path) -> None:
+    """qurl/real/easy.py at toy sizes (1 sample of 4 tokens per template, min_passes 0 keeps every template): the
+    files, their templates, and fresh-easy.jsonl disjoint from train-easy.jsonl; a rerun reads the cache."""
+    from qurl.real.easy import EasySettings, prepare_easy
+
+    root = tmp_path / "real"
+    (root / "gsm").mkdir(parents=True)
+    (root / real.MODEL_DIR).symlink_to(real_dir / real.MODEL_DIR)
+    info = real.read_info(real_dir)
+    settings = EasySettings(instances=1, samples=1, max_new_tokens=4, min_passes=0)
+    easy = prepare_easy(root, info, settings)
+    assert easy["train_templates"] == info["train_templates"] and easy["heldout_templates"] == info["heldout_templates"]
+    assert set(easy["passes"]) == {str(t) for t in info["train_templates"] + info["heldout_templates"]}
+    train, held = rows(root / "gsm" / "train-easy.jsonl"), rows(root / "gsm" / "heldout-easy.jsonl")
+    fresh = rows(root / "gsm" / "fresh-easy.jsonl")
+    assert len(train) == real.Recipe.train_size and len(held) == len(fresh) == real.Recipe.heldout_size
+    assert {r["template"] for r in fresh} <= set(info["train_templates"])
+    assert not {r["prompt"][-1]["content"] for r in fresh} & {r["prompt"][-1]["content"] for r in train}
+    assert train == rows(real_dir / "gsm" / "train.jsonl")  # every template kept: the recipe's own draws
+    assert prepare_easy(root, info, settings) == easy
