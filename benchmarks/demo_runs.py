@@ -328,7 +328,11 @@ def read_run(run: Run) -> dict:
         "overrides": run.overrides,
         "run_dir": run.dir,
         "curves": {"step": [r["step"] for r in train], **{k: [r.get(k) for r in train] for k in CURVE_KEYS}},
-        "evals": {k: [[r["step"], r[k]] for r in rows if isinstance(r.get(k), (int, float))] for k in EVAL_KEYS},
+        # [weights version, accuracy]: a server's eval/acc_quant is logged at a later step than the weights it scored
+        "evals": {
+            k: [[r.get("eval/version", r["step"]), r[k]] for r in rows if isinstance(r.get(k), (int, float))]
+            for k in EVAL_KEYS
+        },
     }
 
 
