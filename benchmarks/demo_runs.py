@@ -3,12 +3,16 @@
 Shared by ablation.py, scaling_study.py and pipeline.py. A run is identified by its config name and seed
 and lives in its own folder; a run whose summary says it finished its steps is skipped, a started one is
 continued with run.resume=true (the learner resumes from its newest checkpoint), so Ctrl-C and re-running
-the same command loses at most the steps since the last checkpoint.
+the same command loses at most the steps since the last checkpoint. `run_rounds` advances many long runs
+round-robin in short segments, each under the shared CPU lock, so that they all reach about the same
+horizon by any stop (the real-model ablation).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import fcntl
 import json
 import os
 import signal
@@ -31,6 +35,8 @@ CURVE_KEYS = (
     "reward/mean",
     "mismatch/kl_k3",
     "mismatch/kl_k1",
+    "mismatch/rho_max",
+    "reward/groups_with_signal",
     "sync/changed_frac",
     "tis/truncated_frac",
     "acr/widened_frac",
@@ -41,6 +47,7 @@ CURVE_KEYS = (
     "sync/seconds",
 )
 EVAL_KEYS = ("eval/acc_fp", "eval/acc_quant")
+LOCK_YIELD_S = 5.0  # run_rounds: pause between segments, so jobs waiting for the CPU lock get it in between
 
 
 @dataclass
@@ -53,6 +60,7 @@ class Run:
     steps: int
     dir: str
     extra: list[str] = field(default_factory=list)
+    config: str = DEMO_CONFIG
 
     @property
     def key(self) -> str:
@@ -178,7 +186,7 @@ def _launch(run: Run, log) -> subprocess.Popen:
     cmd = [
         QURL_ASYNC,
         "--config",
-        DEMO_CONFIG,
+        run.config,
         *run.overrides,
         *run.extra,
         f"run.seed={run.seed}",
@@ -242,6 +250,51 @@ def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs") -> list[str]
     return failed
 
 
+def next_segment(done: dict[str, int], horizon: int, segment: int) -> tuple[str, int] | None:
+    """The run furthest behind (first in order on ties) and the step its next segment ends at; None when all are
+    at the horizon. Ends are multiples of `segment`, so every run stops at the same steps."""
+    if not done or min(done.values()) >= horizon:
+        return None
+    key = min(done, key=lambda k: done[k])  # dicts keep order: ties go to the earlier run
+    return key, min(horizon, (done[key] // segment + 1) * segment)
+
+
+def run_rounds(runs: list[Run], horizon: int, segment: int, until: float, lock: str, desc: str = "runs") -> list[str]:
+    """Advance the runs round-robin, `segment` steps at a time, each segment under flock(`lock`), until every run
+    has `horizon` steps or the next segment would end after the epoch time `until`; return the failed keys.
+
+    A segment is one resumed qurl-async with train.steps at the segment's end; rerunning continues where the
+    last finished segment stopped. A segment's wall time (waiting for the lock excluded) is recorded per run.
+    """
+    for run in runs:
+        _claim(run)
+    by_key = {r.key: r for r in runs}
+    failed: list[str] = []
+    per_segment: list[float] = []  # wall of each segment of this invocation, for the deadline check
+    while True:
+        done = {k: _steps_done(r) for k, r in by_key.items() if k not in failed}
+        nxt = next_segment(done, horizon, segment)
+        if nxt is None:
+            return failed
+        key, end = nxt
+        guess = max(per_segment, default=0.0)
+        if time.time() + guess > until:
+            print(f"{desc}: stopping before the deadline; steps so far {done}", file=sys.stderr, flush=True)
+            return failed
+        with open(lock, "a") as fd:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if time.time() + guess > until:  # the wait for the lock may have used the time up
+                continue
+            started = time.time()
+            print(
+                f"{desc}: {key} steps {done[key]} -> {end} ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True
+            )
+            bad = run_all([dataclasses.replace(by_key[key], steps=end)], desc=f"{desc} {key}")
+        per_segment.append(time.time() - started)
+        failed += bad
+        time.sleep(LOCK_YIELD_S)
+
+
 def _note(bar, text: str) -> None:
     """A line above the bar, on stderr (stdout carries the JSON)."""
     bar.write(text, file=sys.stderr)
@@ -269,11 +322,17 @@ def read_run(run: Run) -> dict:
         "best_acc": summary.get("eval/acc_fp/best"),
         "first_acc": summary.get("eval/acc_fp/first"),
         "final_acc_quant": summary.get("eval/acc_quant/final"),
+        "last_acc": summary.get("eval/acc_fp/last"),  # of the newest evaluated weights, when a run stopped after it
+        "last_acc_quant": summary.get("eval/acc_quant/last"),
         "wall_s": round(sum(settings.get("walls", [])), 1),
         "overrides": run.overrides,
         "run_dir": run.dir,
         "curves": {"step": [r["step"] for r in train], **{k: [r.get(k) for r in train] for k in CURVE_KEYS}},
-        "evals": {k: [[r["step"], r[k]] for r in rows if isinstance(r.get(k), (int, float))] for k in EVAL_KEYS},
+        # [weights version, accuracy]: a server's eval/acc_quant is logged at a later step than the weights it scored
+        "evals": {
+            k: [[r.get("eval/version", r["step"]), r[k]] for r in rows if isinstance(r.get(k), (int, float))]
+            for k in EVAL_KEYS
+        },
     }
 
 

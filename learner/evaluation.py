@@ -65,18 +65,29 @@ class FpEvaluator:
 
 
 class Evaluation:
-    """eval/acc_fp on rank 0 at the start, every eval.every steps and after the last; eval/acc_quant as it arrives."""
+    """eval/acc_fp on rank 0 at the start, every eval.every steps and after the last (unless eval.final is off);
+    eval/acc_quant as it arrives."""
 
     def __init__(
-        self, evaluator: FpEvaluator | None, plane: ControlPlane | None, scheme: str, every: int, steps: int
+        self,
+        evaluator: FpEvaluator | None,
+        plane: ControlPlane | None,
+        scheme: str,
+        every: int,
+        steps: int,
+        final: bool = True,
     ) -> None:
         self.evaluator, self.plane, self.scheme, self.every, self.steps = evaluator, plane, scheme, every, steps
+        self.final = final
+        self.resumed_at: int | None = None  # a resumed run's first step: its weights were evaluated before, if due
+        self.pending: int | None = None  # the version of the last eval/acc_quant asked for and not yet logged
 
     def due(self, step: int) -> bool:
-        """At the start, every eval.every steps, and after the last step (never without eval files)."""
-        if self.evaluator is None:
+        """At the start, every eval.every steps, and after the last step (never without eval files); not again on
+        the weights a resumed run starts from."""
+        if self.evaluator is None or step == self.resumed_at:
             return False
-        return step == 0 or step >= self.steps or bool(self.every and step % self.every == 0)
+        return step == 0 or (self.final and step >= self.steps) or bool(self.every and step % self.every == 0)
 
     def run(self, state: dict[str, torch.Tensor], step: int, version: int, metrics: MetricsLogger) -> None:
         """eval/acc_fp now, on these weights; eval/acc_quant later, from a server's engine at this version."""
@@ -84,6 +95,7 @@ class Evaluation:
         acc = self.evaluator.accuracy(state)
         metrics.log(step, {"eval/acc_fp": acc, "eval/version": version})
         self.plane.request_eval(version)
+        self.pending = version
         log.info(
             "eval of version %d (full precision): %.4f on %d prompts in %.1f s",
             version,
@@ -99,16 +111,18 @@ class Evaluation:
             metrics.log(step, {"eval/acc_quant": counters.get("acc"), "eval/version": version})
             log.info("eval of version %d (rollout engine, %s): %.4f", version, self.scheme, counters.get("acc", 0.0))
             versions.append(version)
+            if self.pending is not None and version >= self.pending:
+                self.pending = None
         return versions
 
-    def wait_for_quant(self, version: int, step: int, metrics: MetricsLogger) -> None:
-        """After the last step: wait (up to FINAL_EVAL_WAIT_S) until a server has evaluated `version` or newer."""
-        deadline = time.monotonic() + FINAL_EVAL_WAIT_S
-        while time.monotonic() < deadline:
-            if any(v >= version for v in self.log_quant(step, metrics)):
-                return
+    def wait_for_quant(self, step: int, metrics: MetricsLogger) -> None:
+        """After the last step: wait (up to FINAL_EVAL_WAIT_S) until a server has evaluated the last version asked."""
+        version, deadline = self.pending, time.monotonic() + FINAL_EVAL_WAIT_S
+        while self.pending is not None and time.monotonic() < deadline:
+            self.log_quant(step, metrics)
             time.sleep(0.2)
-        log.warning("no rollout server evaluated version %d within %.0f s", version, FINAL_EVAL_WAIT_S)
+        if self.pending is not None:
+            log.warning("no rollout server evaluated version %d within %.0f s", version, FINAL_EVAL_WAIT_S)
 
     def close(self) -> None:
         if self.evaluator is not None:

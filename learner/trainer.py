@@ -89,7 +89,9 @@ class Learner:
                 problem = StartError(f"data.eval_files: {exc}")
             except StartError as exc:
                 problem = exc
-        self.evaluation = Evaluation(evaluator, self.hub.plane, self.scheme, cfg.eval.every, cfg.train.steps)
+        self.evaluation = Evaluation(
+            evaluator, self.hub.plane, self.scheme, cfg.eval.every, cfg.train.steps, cfg.eval.final
+        )
         all_started(problem, self.is_main)
 
     def _open_hub(self, model: torch.nn.Module) -> None:
@@ -144,7 +146,7 @@ class Learner:
                 )
             return 1
         if self.is_main and self.evaluation.evaluator is not None and self.state.step >= self.cfg.train.steps:
-            self.evaluation.wait_for_quant(self.state.version, self.state.step, self.metrics)
+            self.evaluation.wait_for_quant(self.state.step, self.metrics)
         self.ckpt.export(self.policy.model, invariant_scaling(self.cfg))
         if self.is_main:
             self.ckpt.close_run(self.hub.ledger(), to_yaml(self.cfg), self.started)
@@ -164,6 +166,7 @@ class Learner:
         resumed = self.ckpt.resume(self.policy.model, self.policy.optimizer) if cfg.run.resume else None
         if resumed is not None:
             path, self.state, saved = resumed
+            self.evaluation.resumed_at = self.state.step
             if self.is_main:
                 self.hub.restore(self.state.buffer, saved.get("reports", {}))
                 log.info("resumed from %s: step %d, version %d", path, self.state.step, self.state.version)

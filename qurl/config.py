@@ -159,6 +159,7 @@ class EvalConfig:
     n_samples: int = 1  # avg@k on eval files; 1 with temperature 0 is greedy accuracy
     temperature: float = 0.0
     max_problems: int = 512
+    final: bool = True  # evaluate after the last step too; off: only at the start and every eval.every steps
 
 
 @dataclass

@@ -123,6 +123,19 @@ def test_run_state_and_settings_guard(tmp_path):
         demo_runs._claim(other)
 
 
+def test_rounds_advance_the_run_furthest_behind_to_common_segment_ends():
+    done = {"a": 0, "b": 0, "c": 0}
+    order = []
+    while (nxt := demo_runs.next_segment(done, horizon=7, segment=3)) is not None:
+        key, end = nxt
+        order.append((key, end))
+        done[key] = end
+    assert order == [("a", 3), ("b", 3), ("c", 3), ("a", 6), ("b", 6), ("c", 6), ("a", 7), ("b", 7), ("c", 7)]
+    # a run left mid-segment (a crash, a Ctrl-C) is finished to the common end first
+    assert demo_runs.next_segment({"a": 6, "b": 4, "c": 6}, horizon=12, segment=3) == ("b", 6)
+    assert demo_runs.next_segment({}, horizon=12, segment=3) is None
+
+
 def run_benchmark(script: str, tmp_path, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """benchmarks/SCRIPT with its run folders under tmp_path; a failure shows the tail of its stderr."""
     cmd = [sys.executable, f"benchmarks/{script}", *flags, "--runs-dir", str(tmp_path / "runs")]

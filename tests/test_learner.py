@@ -579,3 +579,18 @@ def test_learner_step_benchmark_quick(tmp_path):
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["push_bytes"] > 0 and r["repeats"] >= 1
     by_quant = {r["quant"]: r["push_bytes"] for r in rows if r["ranks"] == 1}
     assert by_quant["int8"] < by_quant["none"] and by_quant["fp8"] < by_quant["none"]
+
+
+def test_eval_schedule_final_switch_and_no_second_eval_of_resumed_weights():
+    from learner.evaluation import Evaluation
+
+    def due(evaluation: Evaluation) -> list[int]:
+        return [s for s in range(13) if evaluation.due(s)]
+
+    evaluator = object()  # due() only asks whether there is one
+    assert due(Evaluation(evaluator, None, "int8", every=4, steps=10)) == [0, 4, 8, 10, 11, 12]
+    segmented = Evaluation(evaluator, None, "int8", every=4, steps=10, final=False)
+    assert due(segmented) == [0, 4, 8, 12]
+    segmented.resumed_at = 8  # a segment that stopped at 8 evaluated those weights before its checkpoint
+    assert due(segmented) == [0, 4, 12]
+    assert due(Evaluation(None, None, "int8", every=4, steps=10)) == []

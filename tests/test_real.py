@@ -185,3 +185,48 @@ def test_recipe_runs_end_to_end(real_dir: Path, tmp_path: Path) -> None:
     assert summary["books"]["balanced"], summary["books"]
     steps = [m for m in metrics if "mismatch/kl_k3" in m]
     assert len(steps) == 2 and all(0 <= m["mismatch/kl_k3"] < 0.2 for m in steps)
+
+
+def test_real_ablation_quick_runs_a_segment_and_reports(real_dir: Path, tmp_path: Path) -> None:
+    """ablation.py --real --quick: int8-acr, one 2-step segment at toy sizes (~40 s), then the JSON and plot; a rerun
+    starts nothing. (The segment order is tested in test_experiments.py, the resume in test_learner.py.)"""
+    cmd = [sys.executable, "benchmarks/ablation.py", "--real", "--quick", "--out", str(tmp_path)]
+    cmd += ["--runs-dir", str(tmp_path / "runs"), "--lock", str(tmp_path / "lock")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "ablation-real.json").read_text())
+    (row,) = result["rows"]
+    assert (row["config"], row["steps"], row["ok"]) == ("int8-acr", 2, True)
+    assert row["curves"]["step"] == [1, 2]
+    for key in ("reward/mean", "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/rho_max", "actor/clipfrac"):
+        assert all(v is not None for v in row["curves"][key]), key
+    assert all(0 <= v <= 1 for k in ("tis/truncated_frac", "acr/widened_frac") for v in row["curves"][k])
+    assert [s for s, _ in row["evals"]["eval/acc_fp"]] == [0]  # the start only: eval.final=false
+    settings = json.loads((tmp_path / "runs" / "int8-acr-seed0" / "bench_run.json").read_text())
+    assert len(settings["walls"]) == 1 and row["wall_s"] == round(sum(settings["walls"]), 1)
+    assert result["summary"][0]["steps"] == 2 and (tmp_path / "ablation-real.png").stat().st_size > 10_000
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(json.loads((tmp_path / "runs" / "int8-acr-seed0" / "bench_run.json").read_text())["walls"]) == 1
+
+
+def test_easy_splits_keep_passing_templates_and_fresh_problems_are_new(real_dir: Path, tmp_path: Path) -> None:
+    """qurl/real/easy.py at toy sizes (1 sample of 4 tokens per template, min_passes 0 keeps every template): the
+    files, their templates, and fresh-easy.jsonl disjoint from train-easy.jsonl; a rerun reads the cache."""
+    from qurl.real.easy import EasySettings, prepare_easy
+
+    root = tmp_path / "real"
+    (root / "gsm").mkdir(parents=True)
+    (root / real.MODEL_DIR).symlink_to(real_dir / real.MODEL_DIR)
+    info = real.read_info(real_dir)
+    settings = EasySettings(instances=1, samples=1, max_new_tokens=4, min_passes=0)
+    easy = prepare_easy(root, info, settings)
+    assert easy["train_templates"] == info["train_templates"] and easy["heldout_templates"] == info["heldout_templates"]
+    assert set(easy["passes"]) == {str(t) for t in info["train_templates"] + info["heldout_templates"]}
+    train, held = rows(root / "gsm" / "train-easy.jsonl"), rows(root / "gsm" / "heldout-easy.jsonl")
+    fresh = rows(root / "gsm" / "fresh-easy.jsonl")
+    assert len(train) == real.Recipe.train_size and len(held) == len(fresh) == real.Recipe.heldout_size
+    assert {r["template"] for r in fresh} <= set(info["train_templates"])
+    assert not {r["prompt"][-1]["content"] for r in fresh} & {r["prompt"][-1]["content"] for r in train}
+    assert train == rows(real_dir / "gsm" / "train.jsonl")  # every template kept: the recipe's own draws
+    assert prepare_easy(root, info, settings) == easy

@@ -193,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="qurl-prepare-real", description=main.__doc__)
     p.add_argument("--out", help="output folder (default: $QURL_REAL_DIR or .cache/qurl-real)")
     p.add_argument("--seed", type=int, default=Recipe.seed)
+    p.add_argument(
+        "--easy",
+        action="store_true",
+        help="also write gsm/train-easy.jsonl and heldout-easy.jsonl: the templates the base model sometimes "
+        "solves (qurl/real/easy.py; ~5 min of CPU once)",
+    )
     args = p.parse_args(argv)
     root = Path(args.out) if args.out else default_root()
     recipe = Recipe(seed=args.seed)
@@ -213,6 +219,18 @@ def main(argv: list[str] | None = None) -> int:
         f"gsm/train.jsonl {recipe.train_size} problems from {len(info['train_templates'])} templates, "
         f"gsm/heldout.jsonl {recipe.heldout_size} from {len(info['heldout_templates'])} other templates"
     )
+    if args.easy:
+        from qurl.real.easy import prepare_easy
+
+        easy = prepare_easy(root, info)
+        print(
+            f"easy splits ({easy['wall_s']:.0f} s to measure): gsm/train-easy.jsonl from "
+            f"{len(easy['train_templates'])} of {len(info['train_templates'])} training templates "
+            f"(pass rate {easy['train_pass_rate']:.3f} at T=1, "
+            f"all of them {easy['all_train_pass_rate']:.3f}), gsm/heldout-easy.jsonl from "
+            f"{len(easy['heldout_templates'])} of {len(info['heldout_templates'])} held-out templates "
+            "(see gsm/easy.json)"
+        )
     return 0
 
 

@@ -1,0 +1,139 @@
+"""Templates the base model sometimes solves: a training set with a learning signal for the real ablation (issue 21).
+
+SmolLM2-135M solves about 2% of the recipe's problems, so most GRPO groups have zero advantage. This
+measures each template's pass rate with the prepared model (the compact torch engine, T = 1, a few
+fresh instances x a few samples per template, seeded) and keeps the templates with at least one
+correct sample. It writes, next to the recipe's files in ``gsm/``::
+
+    train-easy.jsonl     problems from the kept training templates (same one-shot prompt as train.jsonl)
+    heldout-easy.jsonl   problems from the kept held-out templates (still disjoint from training)
+    fresh-easy.jsonl     new instances of the kept training templates, none of them in train-easy.jsonl: an
+                         eval set that moves when the trained templates are learned
+    easy.json            the settings, every template's passes / samples, the kept lists, the wall time
+
+The instances measured are drawn with their own seed, so they are not the problems written out.
+``qurl-prepare-real --easy`` runs it once; a rerun with the same settings returns at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from qurl.real.gsm import Problem, load_generators, make_problems
+
+EASY_VERSION = 1  # bump when the code changes what the same settings produce
+
+
+@dataclasses.dataclass(frozen=True)
+class EasySettings:
+    """What determines the measured pass rates and the written files."""
+
+    instances: int = 3  # problems per template
+    samples: int = 4  # samples per problem, T = 1
+    max_new_tokens: int = 160
+    quant: str = "int8"  # the rollout format of the recipe: the pass rate the sampler sees
+    seed: int = 11  # instances measured: another seed than any file's
+    min_passes: int = 1  # keep a template with at least this many correct samples
+    version: int = EASY_VERSION
+
+
+def _prompt(shot: Problem, question: str) -> list[dict[str, str]]:
+    return [
+        {"role": "user", "content": shot.question},
+        {"role": "assistant", "content": shot.solution},
+        {"role": "user", "content": question},
+    ]
+
+
+def pass_counts(model_dir: str, shot: Problem, templates: list[int], s: EasySettings) -> dict[int, int]:
+    """Correct samples per template out of instances x samples, all requests in one engine batch stream."""
+    from transformers import AutoTokenizer
+
+    from qurl.data import tokenize_prompts
+    from qurl.rewards import gsm8k_reward
+    from rollout_server.engines import GenRequest, load_engine
+
+    generators = load_generators()
+    problems = [
+        p
+        for t in templates
+        for p in make_problems(generators, [t], s.instances, s.seed * 1009 + t)  # one template: per-template draws
+    ]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenize_prompts(tok, [_prompt(shot, p.question) for p in problems])
+    engine = load_engine(model_dir, quant=s.quant, max_batch=32, max_seq_len=max(map(len, ids)) + s.max_new_tokens)
+    reqs = [
+        GenRequest(x, n=s.samples, max_new_tokens=s.max_new_tokens, stop_token_ids=[tok.eos_token_id], seed=s.seed + i)
+        for i, x in enumerate(ids)
+    ]
+    counts = dict.fromkeys(templates, 0)
+    for p, res in zip(problems, engine.generate(reqs)):
+        texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in res.samples]
+        counts[p.template] += int(sum(gsm8k_reward(text, p.answer) for text in texts))
+    return counts
+
+
+def _write(path: Path, problems: list[Problem], shot: Problem) -> None:
+    with path.open("w") as f:
+        for p in problems:
+            row = {
+                "prompt": _prompt(shot, p.question),
+                "reward_model": {"ground_truth": p.answer},
+                "data_source": "gsm_symbolic",
+                "template": p.template,
+            }
+            f.write(json.dumps(row) + "\n")
+
+
+def write_fresh(out: Path, generators: dict, templates: list[int], recipe: dict, shot: Problem) -> None:
+    """fresh-easy.jsonl: heldout_size new instances of the kept training templates, none in train-easy.jsonl."""
+    seen = {json.loads(line)["prompt"][-1]["content"] for line in (out / "train-easy.jsonl").open()}
+    draws = make_problems(generators, templates, 2 * recipe["heldout_size"], recipe["seed"] + 3)
+    _write(out / "fresh-easy.jsonl", [p for p in draws if p.question not in seen][: recipe["heldout_size"]], shot)
+
+
+def prepare_easy(root: Path, info: dict, s: EasySettings = EasySettings()) -> dict:
+    """Measure, filter and write the easy splits under root/gsm unless easy.json already holds these settings."""
+    from qurl.real.prepare import MODEL_DIR
+
+    out = root / "gsm"
+    done = out / "easy.json"
+    recipe = info["recipe"]
+    generators = load_generators()
+    shot = make_problems(generators, [info["shot_template"]], 1, recipe["seed"] + 2)[0]  # the recipe's shot
+    if done.is_file() and json.loads(done.read_text()).get("settings") == dataclasses.asdict(s):
+        cached = json.loads(done.read_text())
+        if not (out / "fresh-easy.jsonl").is_file():
+            write_fresh(out, generators, cached["train_templates"], recipe, shot)
+        return cached
+    train_t, held_t = info["train_templates"], info["heldout_templates"]
+    start = time.perf_counter()
+    counts = pass_counts(str(root / MODEL_DIR), shot, train_t + held_t, s)
+    kept_train = [t for t in train_t if counts[t] >= s.min_passes]
+    kept_held = [t for t in held_t if counts[t] >= s.min_passes]
+    if not kept_train or not kept_held:
+        raise RuntimeError(f"no template passed {s.min_passes} of {s.instances * s.samples} samples: {counts}")
+    _write(out / "train-easy.jsonl", make_problems(generators, kept_train, recipe["train_size"], recipe["seed"]), shot)
+    _write(
+        out / "heldout-easy.jsonl",
+        make_problems(generators, kept_held, recipe["heldout_size"], recipe["seed"] + 1),
+        shot,
+    )
+    write_fresh(out, generators, kept_train, recipe, shot)
+    per = s.instances * s.samples
+    result = {
+        "settings": dataclasses.asdict(s),
+        "samples_per_template": per,
+        "passes": {str(t): counts[t] for t in train_t + held_t},
+        "train_templates": kept_train,
+        "heldout_templates": kept_held,
+        "train_pass_rate": sum(counts[t] for t in kept_train) / (per * len(kept_train)),
+        "heldout_pass_rate": sum(counts[t] for t in kept_held) / (per * len(kept_held)),
+        "all_train_pass_rate": sum(counts[t] for t in train_t) / (per * len(train_t)),
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
+    done.write_text(json.dumps(result, indent=1) + "\n")
+    return result
