@@ -39,6 +39,8 @@ CURVE_KEYS = (
     "time/step_s",
     "time/wait_s",
     "sync/seconds",
+    "servers/engine_ms",
+    "rollout/response_len_mean",
 )
 EVAL_KEYS = ("eval/acc_fp", "eval/acc_quant")
 
@@ -53,6 +55,7 @@ class Run:
     steps: int
     dir: str
     extra: list[str] = field(default_factory=list)
+    config: str = DEMO_CONFIG  # the qurl-async --config the overrides apply to
 
     @property
     def key(self) -> str:
@@ -178,7 +181,7 @@ def _launch(run: Run, log) -> subprocess.Popen:
     cmd = [
         QURL_ASYNC,
         "--config",
-        DEMO_CONFIG,
+        run.config,
         *run.overrides,
         *run.extra,
         f"run.seed={run.seed}",
@@ -193,8 +196,11 @@ def _launch(run: Run, log) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs") -> list[str]:
-    """Run every unfinished run, `parallel` at a time, under one tqdm bar of learner steps; return failed keys."""
+def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs", lock: str | None = None) -> list[str]:
+    """Run every unfinished run, `parallel` at a time, under one tqdm bar of learner steps; return failed keys.
+
+    lock: a file to hold an exclusive flock on while runs are going (taken per run when parallel is 1), so that
+    runs on a machine shared with other jobs are timed alone and other jobs get the cores in between."""
     from tqdm import tqdm
 
     for run in runs:
@@ -208,10 +214,13 @@ def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs") -> list[str]
         _note(bar, f"{desc}: {len(runs) - len(todo)} of {len(runs)} runs already finished, skipped")
     running: dict[str, tuple[Run, subprocess.Popen, float, Any]] = {}
     failed: list[str] = []
+    held = None
     try:
         while todo or running:
             while todo and len(running) < parallel:
                 run = todo.pop(0)
+                if lock is not None and not running:
+                    held = _take(lock)
                 log = open(os.path.join(run.dir, "bench.log"), "a")
                 running[run.key] = (run, _launch(run, log), time.time(), log)
             time.sleep(1.0)
@@ -222,6 +231,9 @@ def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs") -> list[str]
                 log.close()
                 del running[key]
                 _record_wall(run, time.time() - started)
+                if held is not None and not running:
+                    held.close()  # releases the flock
+                    held = None
                 if proc.returncode != 0 or state(run) != "done":
                     failed.append(key)
                     _note(bar, f"{desc}: {key} FAILED (exit {proc.returncode}); see {run.dir}/bench.log and logs/")
@@ -239,7 +251,18 @@ def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs") -> list[str]
         raise
     finally:
         bar.close()
+        if held is not None:
+            held.close()
     return failed
+
+
+def _take(lock: str):
+    """An open file holding an exclusive flock on `lock` (blocks until it is free); closing it releases it."""
+    import fcntl
+
+    f = open(lock, "a")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
 
 
 def _note(bar, text: str) -> None:
