@@ -41,6 +41,7 @@ CURVE_KEYS = (
     "sync/seconds",
     "servers/engine_ms",
     "rollout/response_len_mean",
+    "rollout/tokens",
 )
 EVAL_KEYS = ("eval/acc_fp", "eval/acc_quant")
 

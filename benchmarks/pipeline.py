@@ -42,9 +42,9 @@ REAL_CONFIG = str(ROOT / "configs" / "smollm2-gsm-cpu.yaml")
 REAL_ROWS = (
     ("int8", "float32", 0),
     ("none", "float32", 0),
-    ("none", "bfloat16", 0),
     ("int8", "float32", 1),
     ("none", "float32", 1),
+    ("none", "bfloat16", 0),
 )
 REAL_SHAPE = [
     "rollout.n_samples=8",
@@ -80,6 +80,8 @@ def measure(row: dict, warmup: int) -> dict:
         else None
     )
     lengths = [c["rollout/response_len_mean"][i] for i in keep if c.get("rollout/response_len_mean")]
+    tokens = sum(c["rollout/tokens"][i] or 0 for i in keep) if c.get("rollout/tokens") else 0
+    per_token = lambda seconds: 1000 * seconds * len(keep) / tokens if tokens and seconds is not None else None  # noqa: E731
     return {
         "measured_steps": len(keep),
         "steps_per_hour": 3600 * len(keep) / wall,
@@ -93,6 +95,10 @@ def measure(row: dict, warmup: int) -> dict:
         "wait_s_mean": sum(wait) / len(keep),
         "step_s_mean": sum(step) / len(keep),
         "engine_s_per_step": engine_s,
+        "response_tokens": tokens,
+        "tokens_per_hour": 3600 * tokens / wall,
+        "engine_ms_per_token": per_token(engine_s),
+        "wait_ms_per_token": per_token(sum(wait) / len(keep)),
         "response_len_mean": statistics.fmean(x for x in lengths if x is not None) if lengths else None,
         "staleness_mean": statistics.fmean(c["staleness/mean"][i] or 0.0 for i in keep),
     }
@@ -109,10 +115,14 @@ def ratios(rows: list[dict]) -> dict:
             out["async_over_sync"][f"{fmt}/staleness{ms}"] = round(value / base["steps_per_hour"], 3)
         if fmt != "none" and value and fp32.get("steps_per_hour"):
             out["over_fp32_none"][f"{fmt}/staleness{ms}"] = round(value / fp32["steps_per_hour"], 3)
+            if row.get("tokens_per_hour") and fp32.get("tokens_per_hour"):
+                out["over_fp32_none"][f"{fmt}/staleness{ms}/tokens"] = round(
+                    row["tokens_per_hour"] / fp32["tokens_per_hour"], 3
+                )
             if fmt == "int8":
                 out["int8_over_none"][f"staleness{ms}"] = round(value / fp32["steps_per_hour"], 3)
         if ms == 0 and fmt != "none" and fp32.get("measured_steps"):
-            for key in ("wait_s_mean", "engine_s_per_step"):
+            for key in ("wait_s_mean", "engine_s_per_step", "wait_ms_per_token", "engine_ms_per_token"):
                 if row.get(key) and fp32.get(key):
                     out["rollout_speedup"][f"{fmt}/{key}"] = round(fp32[key] / row[key], 3)
     a, b = by.get(("int8", 0), {}), by.get(("none+bf16", 0), {})
@@ -120,6 +130,9 @@ def ratios(rows: list[dict]) -> dict:
         out["int8_over_none_bf16"] = {
             "steps_per_hour": round(a["steps_per_hour"] / b["steps_per_hour"], 3),
             "rollout_wait_speedup": round(b["wait_s_mean"] / a["wait_s_mean"], 3),
+            "engine_ms_per_token_speedup": round(b["engine_ms_per_token"] / a["engine_ms_per_token"], 3)
+            if a.get("engine_ms_per_token") and b.get("engine_ms_per_token")
+            else None,
         }
     return out
 
