@@ -45,6 +45,9 @@ CURVE_KEYS = (
     "time/step_s",
     "time/wait_s",
     "sync/seconds",
+    "servers/engine_ms",
+    "rollout/response_len_mean",
+    "rollout/tokens",
 )
 EVAL_KEYS = ("eval/acc_fp", "eval/acc_quant")
 LOCK_YIELD_S = 5.0  # run_rounds: pause between segments, so jobs waiting for the CPU lock get it in between
@@ -60,7 +63,7 @@ class Run:
     steps: int
     dir: str
     extra: list[str] = field(default_factory=list)
-    config: str = DEMO_CONFIG
+    config: str = DEMO_CONFIG  # the qurl-async --config the overrides apply to
 
     @property
     def key(self) -> str:
@@ -201,8 +204,11 @@ def _launch(run: Run, log) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs") -> list[str]:
-    """Run every unfinished run, `parallel` at a time, under one tqdm bar of learner steps; return failed keys."""
+def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs", lock: str | None = None) -> list[str]:
+    """Run every unfinished run, `parallel` at a time, under one tqdm bar of learner steps; return failed keys.
+
+    lock: a file to hold an exclusive flock on while runs are going (taken per run when parallel is 1), so that
+    runs on a machine shared with other jobs are timed alone and other jobs get the cores in between."""
     from tqdm import tqdm
 
     for run in runs:
@@ -216,10 +222,13 @@ def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs") -> list[str]
         _note(bar, f"{desc}: {len(runs) - len(todo)} of {len(runs)} runs already finished, skipped")
     running: dict[str, tuple[Run, subprocess.Popen, float, Any]] = {}
     failed: list[str] = []
+    held = None
     try:
         while todo or running:
             while todo and len(running) < parallel:
                 run = todo.pop(0)
+                if lock is not None and not running:
+                    held = _take(lock)
                 log = open(os.path.join(run.dir, "bench.log"), "a")
                 running[run.key] = (run, _launch(run, log), time.time(), log)
             time.sleep(1.0)
@@ -230,6 +239,9 @@ def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs") -> list[str]
                 log.close()
                 del running[key]
                 _record_wall(run, time.time() - started)
+                if held is not None and not running:
+                    held.close()  # releases the flock
+                    held = None
                 if proc.returncode != 0 or state(run) != "done":
                     failed.append(key)
                     _note(bar, f"{desc}: {key} FAILED (exit {proc.returncode}); see {run.dir}/bench.log and logs/")
@@ -247,7 +259,16 @@ def run_all(runs: list[Run], parallel: int = 1, desc: str = "runs") -> list[str]
         raise
     finally:
         bar.close()
+        if held is not None:
+            held.close()
     return failed
+
+
+def _take(lock: str):
+    """An open file holding an exclusive flock on `lock` (blocks until it is free); closing it releases it."""
+    f = open(lock, "a")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
 
 
 def next_segment(done: dict[str, int], horizon: int, segment: int) -> tuple[str, int] | None:
@@ -281,8 +302,7 @@ def run_rounds(runs: list[Run], horizon: int, segment: int, until: float, lock: 
         if time.time() + guess > until:
             print(f"{desc}: stopping before the deadline; steps so far {done}", file=sys.stderr, flush=True)
             return failed
-        with open(lock, "a") as fd:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with _take(lock):
             if time.time() + guess > until:  # the wait for the lock may have used the time up
                 continue
             started = time.time()

@@ -45,6 +45,7 @@ TINY = dict(
     vocab_size=256,
     tie_word_embeddings=True,
 )
+Length = int | tuple[int, int]  # a fixed token count, or (lo, hi) drawn uniformly
 # model -> (prompts per batch, samples per prompt, prompt tokens, response tokens)
 WORKLOADS = {"demo": (16, 8, 16, 8), "qwen2-150m": (2, 4, 32, 64), "tiny": (4, 4, 16, 16)}
 
@@ -81,26 +82,31 @@ def demo_model(tmp: str) -> tuple[str, str]:
     return random_qwen2(os.path.join(tmp, "demo-shape"), shape), "demo-shape (random init; demo not prepared)"
 
 
-def groups(n: int, samples: int, prompt_len: int, response_len: int, vocab: int, seed: int) -> list[TrajectoryGroup]:
+def groups(
+    n: int, samples: int, prompt_len: Length, response_len: Length, vocab: int, seed: int
+) -> list[TrajectoryGroup]:
+    """Scored groups of random tokens; a (lo, hi) length is drawn per group (prompt) or per sample (response)."""
     rng = np.random.default_rng(seed)
+    draw = lambda length: int(rng.integers(length[0], length[1] + 1)) if isinstance(length, tuple) else length  # noqa: E731
     out = []
     for g in range(n):
         rewards = rng.permutation([1.0] * (samples // 2) + [0.0] * (samples - samples // 2))
+        lengths = [draw(response_len) for _ in rewards]
         out.append(
             TrajectoryGroup(
                 prompt_id=g,
                 group_id=f"bench-{seed}-{g}",
                 server_id="bench",
-                prompt_ids=rng.integers(3, vocab, prompt_len, dtype=np.int32),
+                prompt_ids=rng.integers(3, vocab, draw(prompt_len), dtype=np.int32),
                 samples=tuple(
                     Sample(
-                        token_ids=rng.integers(3, vocab, response_len, dtype=np.int32),
-                        logprobs=-rng.uniform(0.01, 3.0, response_len).astype(np.float32),
-                        versions=np.zeros(response_len, np.int32),
+                        token_ids=rng.integers(3, vocab, k, dtype=np.int32),
+                        logprobs=-rng.uniform(0.01, 3.0, k).astype(np.float32),
+                        versions=np.zeros(k, np.int32),
                         reward=float(r),
                         finish_reason="length",
                     )
-                    for r in rewards
+                    for r, k in zip(rewards, lengths)
                 ),
             )
         )
@@ -121,7 +127,11 @@ def run_learner(
         "run": {"dir": run_dir},
         "model": {"path": model},
         "data": {"train_files": [data]},
-        "rollout": {"quant": quant, "n_samples": samples, "sampling": {"max_new_tokens": response_len}},
+        "rollout": {
+            "quant": quant,
+            "n_samples": samples,
+            "sampling": {"max_new_tokens": max(response_len) if isinstance(response_len, tuple) else response_len},
+        },
         "quant": {"invariant_scaling": {"s": 1.5}},
         "train": {"lr": 1e-5, "batch_prompts": prompts, "steps": steps, **(train or {})},
         "async": {"max_staleness": steps},

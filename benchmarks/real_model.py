@@ -11,10 +11,15 @@ Parts (all by default, or a subset with --parts):
   prefill seconds (one new token), and decode tokens/s from the rest of the generation.
 - learner: one real qurl-learner (benchmarks/learner_step.py's harness, synthetic groups of the recipe's shape)
   with train.precision fp32 and bf16 (FSDP2 mixed precision).
+- micro: the learner step with padded against length-bucketed micro-batches (train.micro_batches), bf16, on
+  the pipeline benchmark's rollout-shaped batches (2 prompts x 8 samples of 190-260 prompt tokens, responses of
+  16-256 tokens drawn per sample, one update per step); the same batches in both runs. padded_tokens is
+  rows x longest row per forward, summed over the step's micro-batches (the learner's actor/padded_tokens).
 - sync: int8 codes changed per push and delta / full push bytes per engine dtype after AdamW steps at the
   recipe's learning rate (or --sync-lr), s = 1 and 1.5 (benchmarks/sync.py's run on GSM text).
 
-    python benchmarks/real_model.py [--parts mismatch,decode,learner,sync] [--threads 2] [--sync-lr LR] [--out FILE]
+    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,sync] [--threads 2] [--sync-lr LR]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
 from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
-PARTS = ("mismatch", "decode", "learner", "sync")
+PARTS = ("mismatch", "decode", "learner", "micro", "sync")
 RECIPE_LR = 1e-5  # configs/smollm2-gsm-cpu.yaml train.lr
 DECODE_FORMATS = {
     name: OWN[name] for name in ("fp32", "bf16", "int8", "int8+head", "int8+bf16", "int8+bf16+head", "fp8")
@@ -177,6 +182,35 @@ def learner_rows(model: str, steps: int, threads: int, tmp: str) -> list[dict]:
     return rows
 
 
+def micro_rows(model: str, steps: int, threads: int, tmp: str) -> list[dict]:
+    from learner_step import run_learner, summarize
+
+    workload = (2, 8, (190, 260), (16, 256))  # prompts, samples, prompt tokens, response tokens (drawn)
+    rows = []
+    for mode in ("padded", "bucketed"):
+        train = {"precision": "bf16", "mini_batches": 1, "micro_batches": mode}
+        metrics = run_learner(tmp, model, 1, "int8", 1 + steps, workload, threads, train=train)
+        row = {
+            "part": "micro",
+            "micro_batches": mode,
+            "precision": "bf16",
+            "prompts": workload[0],
+            "samples": workload[1],
+            "prompt_len": list(workload[2]),
+            "response_len": list(workload[3]),
+            "threads": threads,
+            **summarize(metrics, 1),
+            "padded_tokens": statistics.median(r["actor/padded_tokens"] for r in metrics[1:]),
+            "micro_batches_per_step": statistics.median(r["actor/micro_batches"] for r in metrics[1:]),
+        }
+        row["train_s"] = row["step_s"] - row["push_s"]
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    padded, bucketed = rows
+    bucketed["speedup_over_padded"] = padded["train_s"] / bucketed["train_s"]
+    return rows
+
+
 def sync_rows(model: str, gsm: str, pushes: int, threads: int, lr: float) -> list[dict]:
     import sync
 
@@ -229,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows += decode_rows(model, prompts, args.new_tokens, args.repeats, args.formats.split(","))
         if "learner" in parts:
             rows += learner_rows(model, args.steps, args.threads, tmp)
+        if "micro" in parts:
+            rows += micro_rows(model, args.steps, args.threads, tmp)
         if "sync" in parts:
             rows += sync_rows(model, gsm, args.pushes, args.threads, args.sync_lr)
     emit(

@@ -26,6 +26,7 @@ from qurl.algorithms import LossSpec, group_advantages, kl_penalty, overlong_pen
 log = logging.getLogger("learner")
 
 MICRO_BATCH_TOKENS = 16384  # padded tokens per forward; bounds activation memory, never changes the result
+FORWARD_COST_TOKENS = 512  # bucketed micro-batches: one more forward costs about this many padded tokens
 LOSS_METRICS = (
     "actor/clipfrac",
     "tis/truncated_frac",
@@ -100,6 +101,8 @@ class PolicyStep:
         self.temperature = float(sampling.temperature)  # 0 (greedy) means unscaled logits
         self.max_new_tokens = sampling.max_new_tokens
         self.pad_id = pad_token_id(model.config)
+        self.bucketed = train.micro_batches == "bucketed"
+        self.head_weight = _head_weight(model)
         self.dropout_free = not getattr(model.config, "attention_dropout", 0.0) and all(
             m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout)
         )
@@ -198,6 +201,8 @@ class PolicyStep:
                 "lr": lr,
                 "train/updates": applied,
                 "actor/tokens": float(totals[:, 0].sum()),
+                "actor/padded_tokens": sum(m.input_ids.numel() for mini in plan for m in mini),  # this rank's
+                "actor/micro_batches": sum(len(mini) for mini in plan),
             }
         )
         if ref is not None:
@@ -224,7 +229,10 @@ class PolicyStep:
         rows_per_mini = [
             torch.nonzero(torch.isin(batch.group, torch.tensor_split(c, world)[rank])).flatten() for c in chunks
         ]
-        plan = [_micro_rows(rows, batch) for rows in rows_per_mini]
+        plan = [
+            _bucketed_rows(rows, batch, self.head_weight) if self.bucketed else _micro_rows(rows, batch)
+            for rows in rows_per_mini
+        ]
         counts = torch.tensor([len(p) for p in plan])
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         response_len = batch.total_len - batch.prompt_len
@@ -276,6 +284,45 @@ def _micro_rows(rows: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
     if current:
         out.append(torch.tensor(current))
     return out
+
+
+def _bucketed_rows(rows: torch.Tensor, batch: Batch, head_weight: float) -> list[torch.Tensor]:
+    """Rows sorted by length and cut where padding costs more than a forward: the least padded work.
+
+    Each row's log-probs do not depend on the rows beside it (right padding, causal mask) and the loss is a sum
+    over rows normalised by the mini-batch's global totals, so any grouping gives the same step. The cost of a
+    micro-batch is its padded tokens through the body, plus head_weight times its padded lm_head positions
+    (start..end), plus FORWARD_COST_TOKENS; contiguous runs of the sorted rows are chosen by dynamic programming
+    under MICRO_BATCH_TOKENS.
+    """
+    order = sorted(rows.tolist(), key=lambda r: (int(batch.total_len[r]), int(batch.prompt_len[r])))
+    total = [int(batch.total_len[r]) for r in order]
+    prompt = [int(batch.prompt_len[r]) for r in order]
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for j in range(len(order)):  # best[j + 1]: cheapest plan of order[: j + 1], its last run order[cut : j + 1]
+        start = prompt[j]
+        for i in range(j, -1, -1):
+            n = j - i + 1
+            if n > 1 and n * total[j] > MICRO_BATCH_TOKENS:
+                break
+            start = min(start, prompt[i])
+            cost = best[i] + n * (total[j] + head_weight * (total[j] - start)) + FORWARD_COST_TOKENS
+            if cost < best[j + 1]:
+                best[j + 1], cut[j + 1] = cost, i
+    out, j = [], len(order)
+    while j > 0:
+        out.append(torch.tensor(order[cut[j] : j]))
+        j = cut[j]
+    return out[::-1]
+
+
+def _head_weight(model: nn.Module) -> float:
+    """Cost of one lm_head position against one token through the body: vocab x hidden over body parameters."""
+    head = model.get_output_embeddings().weight.numel()
+    body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    if not model.config.tie_word_embeddings:
+        body -= head
+    return head / max(body, 1)
 
 
 def _reduce_loss_metrics(sums: Counter, maxes: dict, tokens: float) -> dict:

@@ -120,6 +120,7 @@ class TrainConfig:
     steps: int = 100
     grad_clip: float = 1.0
     precision: str = "fp32"  # fp32 | bf16 (FSDP2 mixed precision, fp32 master weights)
+    micro_batches: str = "bucketed"  # bucketed: rows sorted by length, cut to least padding | padded: rows in order
 
 
 @dataclass
@@ -209,6 +210,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "quant.fp8_granularity": ("block", "channel"),
     "train.lr_schedule": ("constant", "cosine"),
     "train.precision": ("fp32", "bf16"),
+    "train.micro_batches": ("bucketed", "padded"),
     "log.level": ("debug", "info", "warning"),
     "sync.transport": ("zmq", "cuda-ipc", "nccl"),
 }

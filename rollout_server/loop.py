@@ -46,6 +46,7 @@ COUNTERS = (
     "reward_timeouts",
     "reward_errors",
     "reward_nan",
+    "engine_ms",  # wall milliseconds inside engine.step(): the server's own generation time
 )
 
 
@@ -203,7 +204,10 @@ class RolloutLoop:
             self._start_eval()
             self._admit()
             if self.engine.has_work():
-                self._finish(self.engine.step())
+                started = time.perf_counter()
+                finished = self.engine.step()
+                self.counters["engine_ms"] += round(1000 * (time.perf_counter() - started))
+                self._finish(finished)
             for group, rewards in self.scorer.collect():
                 self._enqueue(group, rewards)
             self.outbox.flush()

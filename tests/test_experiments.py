@@ -204,6 +204,21 @@ def test_pipeline_quick_reports_rates_shares_and_async_ratio(demo_dir, tmp_path)
     assert result["ratios"]["async_over_sync"]["int8/staleness1"] > 0
 
 
+@pytest.mark.slow
+def test_pipeline_quick_on_the_real_workload_times_the_rollout_server(real_dir, tmp_path):
+    out = tmp_path / "pipeline.json"
+    run_benchmark("pipeline.py", tmp_path, "--workload", "real", "--quick", "--out", str(out), timeout=600)
+    result = json.loads(out.read_text())
+    assert result["workload"] == "real"
+    assert [(r["quant"], r["dtype"], r["max_staleness"]) for r in result["rows"]] == [
+        ("int8", "float32", 0),
+        ("int8", "float32", 1),
+    ]
+    for row in result["rows"]:
+        assert row["ok"] and row["measured_steps"] == 3 and row["steps_per_hour"] > 0
+        assert 0 < row["engine_s_per_step"] and 0 < row["rollout_share"] < 1 and row["response_len_mean"] <= 16
+
+
 def test_summary_tables_present_results_and_names_missing_ones(tmp_path):
     import summary
 

@@ -33,51 +33,52 @@ def gloo_one_rank():
     dist.destroy_process_group()
 
 
-def hand_built_batch() -> Batch:
-    """Four groups of two samples with different prompt and response lengths, right padded to 20 tokens."""
-    g = torch.Generator().manual_seed(0)
-    n, length = 8, 20
-    prompt_len = torch.tensor([6, 6, 7, 7, 5, 5, 6, 6])
-    total_len = torch.tensor([12, 20, 15, 9, 18, 11, 20, 13])
+def random_batch(prompt_len: list[int], total_len: list[int], rewards: list[float], vocab: int, seed: int) -> Batch:
+    """Groups of two samples of random tokens, right padded to the longest row, random behaviour log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    prompt, total = torch.tensor(prompt_len), torch.tensor(total_len)
+    n, length = len(prompt_len), int(total.max())
     behav = torch.zeros(n, length)
     for i in range(n):
-        behav[i, prompt_len[i] : total_len[i]] = -torch.rand(int(total_len[i] - prompt_len[i]), generator=g) * 3
-    return Batch(
-        torch.randint(3, 200, (n, length), generator=g),
-        prompt_len,
-        total_len,
-        behav,
-        torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25]),
-        torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]),
+        behav[i, prompt[i] : total[i]] = -torch.rand(int(total[i] - prompt[i]), generator=g) * 3
+    ids = torch.randint(3, vocab, (n, length), generator=g)
+    return Batch(ids, prompt, total, behav, torch.tensor(rewards), torch.arange(n) // 2)
+
+
+def hand_built_batch() -> Batch:
+    """Four groups of two samples with different prompt and response lengths, right padded to 20 tokens."""
+    return random_batch(
+        [6, 6, 7, 7, 5, 5, 6, 6], [12, 20, 15, 9, 18, 11, 20, 13], [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25], 200, 0
+    )
+
+
+def one_rank_policy(config: str, overrides: list[str]):
+    """(cfg, PolicyStep) of configs/CONFIG with the overrides, one mini-batch and no eval files, on this rank."""
+    from learner.model import build_policy
+    from learner.policy_step import DistEnv, PolicyStep
+    from qurl.config import load_config
+
+    cfg = load_config(os.path.join(ROOT, "configs", config), ["data.eval_files=[]", "train.mini_batches=1", *overrides])
+    torch.manual_seed(0)
+    model = build_policy(cfg, torch.device("cpu"))
+    return cfg, PolicyStep(
+        model, None, cfg.train, cfg.algo, cfg.rollout.sampling, DistEnv(0, 1, 0, torch.device("cpu"))
     )
 
 
 def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo_dir):
-    from learner.model import build_policy, load_hf, token_logprobs
-    from learner.policy_step import DistEnv, PolicyStep
+    from learner.model import load_hf, token_logprobs
     from qurl.algorithms import LossSpec, group_advantages, policy_loss
-    from qurl.config import load_config
 
-    cfg = load_config(
-        os.path.join(ROOT, "configs/demo-cpu.yaml"),
+    cfg, policy = one_rank_policy(
+        "demo-cpu.yaml",
         [
             f"model.path={os.path.join(demo_dir, 'model')}",
             f"data.train_files=[{os.path.join(demo_dir, 'train.jsonl')}]",
-            "data.eval_files=[]",
             "algo.kl_coef=0",
-            "train.mini_batches=1",
             "train.lr=1e-3",
             "rollout.sampling.max_new_tokens=14",
         ],
-    )
-    torch.manual_seed(0)
-    policy = PolicyStep(
-        build_policy(cfg, torch.device("cpu")),
-        None,
-        cfg.train,
-        cfg.algo,
-        cfg.rollout.sampling,
-        DistEnv(0, 1, 0, torch.device("cpu")),
     )
     before = {k: v.full_tensor().clone() for k, v in policy.model.state_dict().items()}
     batch = hand_built_batch()
@@ -120,3 +121,47 @@ def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo
     for name, value in plain.state_dict().items():
         if name in after:
             torch.testing.assert_close(after[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bucketed_micro_batches_take_the_padded_step(gloo_one_rank, real_dir):
+    """Length-bucketed micro-batches on SmolLM2-135M: the same log-probs, loss, metrics and update as one padded
+    micro-batch, with less padding."""
+    from learner.model import token_logprobs
+    from learner.policy_step import _bucketed_rows, _micro_rows
+
+    prompt = [30, 30, 40, 40, 200, 200, 210, 210]
+    response = [12, 40, 25, 8, 150, 190, 170, 120]
+    batch = random_batch(prompt, [p + r for p, r in zip(prompt, response)], [1.0, 0.0, 0.5, 0.0] * 2, 40000, 1)
+    steps = {}
+    for mode in ("padded", "bucketed"):
+        _, policy = one_rank_policy(
+            "smollm2-gsm-cpu.yaml",
+            [
+                f"model.path={real_dir / 'smollm2-135m-instruct'}",
+                f"data.train_files=[{real_dir / 'gsm' / 'train.jsonl'}]",
+                "train.precision=fp32",
+                "train.lr=1e-4",
+                f"train.micro_batches={mode}",
+            ],
+        )
+        every = torch.arange(len(batch.rewards))
+        cuts = _bucketed_rows(every, batch, policy.head_weight) if mode == "bucketed" else _micro_rows(every, batch)
+        rows = {}
+        with torch.no_grad():
+            for cut in cuts:
+                m = policy._micro(batch, torch.zeros(len(every)), cut)
+                logp = token_logprobs(policy.model, m.input_ids, m.start, 1.0)
+                rows.update((r, logp[k][m.mask[k]]) for k, r in enumerate(cut.tolist()))
+        result = policy.step(batch, step=0)
+        steps[mode] = (cuts, rows, result.metrics, {k: v.full_tensor() for k, v in policy.model.state_dict().items()})
+    padded, bucketed = steps["padded"], steps["bucketed"]
+    assert len(padded[0]) == 1 and len(bucketed[0]) > 1
+    padded_tokens = [len(c) * int(batch.total_len[c].max()) for c in (*padded[0], *bucketed[0])]
+    assert sum(padded_tokens[1:]) < padded_tokens[0]
+    for r in range(len(batch.rewards)):
+        assert len(padded[1][r]) == int(batch.total_len[r] - batch.prompt_len[r])
+        torch.testing.assert_close(bucketed[1][r], padded[1][r], rtol=0, atol=2e-5)
+    for key in ("loss/policy", "actor/grad_norm", "actor/tokens", "mismatch/kl_k3", "mismatch/rho_max"):
+        assert bucketed[2][key] == pytest.approx(padded[2][key], rel=1e-5, abs=1e-7), key
+    for name, value in padded[3].items():
+        torch.testing.assert_close(bucketed[3][name], value, rtol=1e-5, atol=1e-6, msg=name)
