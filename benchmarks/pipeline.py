@@ -168,6 +168,7 @@ def real_runs(args: argparse.Namespace) -> list[tuple[tuple[str, str, int], Run]
     if args.quick:
         base += REAL_QUICK
     rows = [r for r in REAL_ROWS if r[0] == "int8" and r[1] == "float32"] if args.quick else REAL_ROWS
+    rows = [r for r in rows if args.staleness is None or r[2] in args.staleness]
     return [
         (
             (q, dtype, ms),
@@ -193,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     p.add_argument("--runs-dir", default=os.path.join("runs", "pipeline"))
     p.add_argument("--demo-dir", default=None)
+    p.add_argument(
+        "--staleness", type=int, nargs="+", default=None, help="real workload: only the rows at these max_staleness"
+    )
     p.add_argument("--lock", default=None, help="hold an flock on this file during each run (shared machines)")
     p.add_argument("--quick", action="store_true", help="int8 (fp32) only, staleness 0 and 1, 4 steps, small batches")
     args = p.parse_args(argv)
