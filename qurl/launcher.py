@@ -96,8 +96,16 @@ class Child:
             return ""
 
 
-def _threads_per_process(n_processes: int) -> str:
-    return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // n_processes))
+def threads_per_process(cfg: DictConfig, n_servers: int, cores: int | None = None) -> str:
+    """OMP threads for each CPU process: the cores split among the processes that compute at the same time.
+
+    Asynchronous, the learner ranks and the servers all run at once; synchronous (async.max_staleness 0),
+    the servers wait while the learner trains and the learner waits while they generate, so each side
+    gets the cores to itself. An OMP_NUM_THREADS the user set wins.
+    """
+    ranks = cfg.cluster.learner_ranks
+    at_once = max(ranks, n_servers) if get(cfg, "async.max_staleness") == 0 else ranks + n_servers
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, (cores or os.cpu_count() or 1) // at_once))
 
 
 def node_gpus(cfg: DictConfig) -> tuple[int | None, list[str] | None]:
@@ -117,7 +125,7 @@ def build_children(
     learner_plan, *server_plans = plan(cfg, available_gpus, visible)
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not cfg.cluster.learner_gpus:
-        base_env["OMP_NUM_THREADS"] = _threads_per_process(cfg.cluster.learner_ranks + len(server_plans))
+        base_env["OMP_NUM_THREADS"] = threads_per_process(cfg, len(server_plans))
     logs = os.path.join(out, "logs")
     learner, *servers = [
         Child(

@@ -178,3 +178,24 @@ def test_resume_after_learner_sigkill(demo_dir, tmp_path):
     assert code == 0, out
     assert f"resuming from {run_dir / 'checkpoints' / f'step_{saved}'}" in out
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == saved + 4
+
+
+@pytest.mark.parametrize(
+    "staleness, ranks, servers, want",
+    [(0, 1, 1, "8"), (1, 1, 1, "4"), (0, 2, 1, "4"), (0, 1, 2, "4"), (2, 2, 2, "2"), (0, 1, 16, "1")],
+)
+def test_sync_processes_take_turns_so_each_side_gets_the_cores(monkeypatch, staleness, ranks, servers, want):
+    """With max_staleness 0 the learner and the servers never compute at once: splitting the cores among all of
+    them left half the machine idle in every synchronous run (benchmarks/pipeline.py --workload real)."""
+    from qurl.config import load_config
+    from qurl.launcher import threads_per_process
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg = load_config(
+        os.path.join(ROOT, "configs/demo-cpu.yaml"),
+        [f"async.max_staleness={staleness}", f"cluster.learner_ranks={ranks}"],
+        check_paths=False,
+    )
+    assert threads_per_process(cfg, servers, cores=8) == want
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_process(cfg, servers, cores=8) == "3"  # the user's setting wins
