@@ -187,6 +187,7 @@ def test_recipe_runs_end_to_end(real_dir: Path, tmp_path: Path) -> None:
     assert len(steps) == 2 and all(0 <= m["mismatch/kl_k3"] < 0.2 for m in steps)
 
 
+@pytest.mark.slow  # a real-model qurl-async launch, ~60 s: the default suite stays under 10 minutes
 def test_real_ablation_quick_runs_a_segment_and_reports(real_dir: Path, tmp_path: Path) -> None:
     """ablation.py --real --quick: int8-acr, one 2-step segment at toy sizes (~40 s), then the JSON and plot; a rerun
     starts nothing. (The segment order is tested in test_experiments.py, the resume in test_learner.py.)"""
