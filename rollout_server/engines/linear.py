@@ -132,6 +132,8 @@ class Int8Linear(_RowScaled):
             [],
             "",
         )
+        if out_dtype == acc.dtype:
+            return acc.mul_(xs)
         return torch.mul(acc, xs, out=torch.empty(acc.shape, dtype=out_dtype))  # scaled in fp32, one store
 
 
