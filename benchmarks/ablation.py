@@ -191,6 +191,7 @@ def aggregate_real(rows: list[dict]) -> list[dict]:
                 "last_acc_mean": stat(lambda r: r["last_acc"]),
                 "last_acc_std": mean_std([r["last_acc"] for r in mine])[1],
                 "best_acc_mean": stat(lambda r: r["best_acc"]),
+                "first_acc_quant": stat(lambda r: r["first_acc_quant"]),
                 "last_acc_quant_mean": stat(lambda r: r["last_acc_quant"]),
                 "reward_first5": avg("reward/mean", slice(0, 5)),
                 "reward_last5": avg("reward/mean", slice(-5, None)),
@@ -230,9 +231,34 @@ def main_real(args: argparse.Namespace) -> int:
     if rows:
         plot_real(rows, os.path.join(args.out, f"{name}.png"), args)
     print(json.dumps(strip_curves(result), indent=1))
+    print(markdown_table(summary), file=sys.stderr)
     steps = {r["config"]: r["steps"] for r in rows}
     print(f"ablation-real: steps per run {steps}; {len(failed)} failed; wrote {path}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def markdown_table(summary: list[dict]) -> str:
+    """The real ablation's summary as docs/RESULTS.md §8 shows it (means over seeds)."""
+
+    def f(v, digits=3):
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    lines = [
+        "| config | seeds | steps | wall s | s / step | acc_fp start -> last (best) | acc_quant start -> last | "
+        "reward first 5 / last 5 | kl_k3 first 5 / last 5 | rho_max mean | clipfrac | tis truncated | acr widened |",
+        "|" + "---|" * 13,
+    ]
+    for a in summary:
+        lines.append(
+            f"| {a['config']} | {a['n']} | {a['steps']:.0f} | {a['wall_s_mean']:.0f} | {a['wall_s_per_step']:.0f} | "
+            f"{f(a['first_acc'])} -> {f(a['last_acc_mean'])} ({f(a['best_acc_mean'])}) | "
+            f"{f(a['first_acc_quant'])} -> {f(a['last_acc_quant_mean'])} | "
+            f"{f(a['reward_first5'])} / {f(a['reward_last5'])} | "
+            f"{f(a['kl_k3_first5'], 4)} / {f(a['kl_k3_last5'], 4)} | "
+            f"{f(a['rho_max_mean'], 2)} | {f(a['clipfrac_mean'], 4)} | {f(a['tis_truncated_mean'], 4)} | "
+            f"{f(a['acr_widened_mean'], 4)} |"
+        )
+    return "\n".join(lines)
 
 
 def deadline(hhmm: str) -> float:

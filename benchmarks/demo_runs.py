@@ -342,6 +342,7 @@ def read_run(run: Run) -> dict:
         "best_acc": summary.get("eval/acc_fp/best"),
         "first_acc": summary.get("eval/acc_fp/first"),
         "final_acc_quant": summary.get("eval/acc_quant/final"),
+        "first_acc_quant": summary.get("eval/acc_quant/first"),
         "last_acc": summary.get("eval/acc_fp/last"),  # of the newest evaluated weights, when a run stopped after it
         "last_acc_quant": summary.get("eval/acc_quant/last"),
         "wall_s": round(sum(settings.get("walls", [])), 1),

@@ -13,7 +13,8 @@ stamp="$venv/.qurl-sglang-$(cat "$0" pyproject.toml | sha256sum | cut -c1-16)"
 pins="$(mktemp)"
 trap 'rm -f "$pins"' EXIT
 printf 'torch==2.14.1\ntorchvision==0.29.1\nsglang==0.5.23\n' > "$pins"
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$pins")
+# --no-cache-dir: the CUDA wheels would otherwise sit twice on disk (cache + venv), several GB on a small CI disk
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir -c "$pins")
 
 echo "setup-sglang: torch 2.14.1 + torchvision 0.29.1 (a CUDA build; it runs on a CPU)"
 "${pip[@]}" torch==2.14.1 torchvision==0.29.1

@@ -136,6 +136,30 @@ def test_rounds_advance_the_run_furthest_behind_to_common_segment_ends():
     assert demo_runs.next_segment({}, horizon=12, segment=3) is None
 
 
+def test_real_ablation_table_has_a_row_per_config_and_dashes_for_missing_evals():
+    import ablation
+
+    rows = [
+        {
+            "config": config,
+            "seed": 0,
+            "steps": 2,
+            "first_acc": 0.25,
+            "last_acc": last,
+            "best_acc": last,
+            "first_acc_quant": 0.125,
+            "last_acc_quant": None,
+            "wall_s": 100.0,
+            "curves": {k: [0.01, 0.03] for k in demo_runs.CURVE_KEYS},
+        }
+        for config, last in (("fp32", 0.5), ("int8-acr", None))
+    ]
+    lines = ablation.markdown_table(ablation.aggregate_real(rows)).splitlines()
+    assert len(lines) == 4 and all(line.count("|") == 14 for line in lines)
+    assert lines[2].startswith("| fp32 | 1 | 2 | 100 | 50 | 0.250 -> 0.500 (0.500) | 0.125 -> - | 0.020 / 0.020 |")
+    assert "0.250 -> - (-)" in lines[3]
+
+
 def run_benchmark(script: str, tmp_path, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """benchmarks/SCRIPT with its run folders under tmp_path; a failure shows the tail of its stderr."""
     cmd = [sys.executable, f"benchmarks/{script}", *flags, "--runs-dir", str(tmp_path / "runs")]

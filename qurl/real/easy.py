@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 from qurl.real.gsm import Problem, load_generators, make_problems
 
@@ -69,10 +72,15 @@ def pass_counts(model_dir: str, shot: Problem, templates: list[int], s: EasySett
         GenRequest(x, n=s.samples, max_new_tokens=s.max_new_tokens, stop_token_ids=[tok.eos_token_id], seed=s.seed + i)
         for i, x in enumerate(ids)
     ]
+    for i, req in enumerate(reqs):
+        engine.add_request(req, i)
     counts = dict.fromkeys(templates, 0)
-    for p, res in zip(problems, engine.generate(reqs)):
-        texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in res.samples]
-        counts[p.template] += int(sum(gsm8k_reward(text, p.answer) for text in texts))
+    with tqdm(total=len(reqs) * s.samples, desc="easy templates", unit="sample", file=sys.stderr) as bar:
+        while engine.has_work():  # score each sample as it finishes, so the bar moves through the minutes
+            for i, _, sample in engine.step():
+                text = tok.decode(sample.token_ids, skip_special_tokens=True)
+                counts[problems[i].template] += int(gsm8k_reward(text, problems[i].answer))
+                bar.update()
     return counts
 
 
