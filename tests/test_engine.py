@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from rollout_server.engines import GenRequest, load_engine
+from rollout_server.engines import GenRequest, load_engine, run_to_completion
 from rollout_server.engines.sampling import sample
 from rollout_server.engines.torch_engine import TorchEngine
 
@@ -188,6 +188,20 @@ def test_n_larger_than_max_batch_and_step_api(family_model):
     assert all(len(s.token_ids) == 6 for k, s in got.items() if k[0] == "a") and len(got[("b", 0)].token_ids) == 3
     # decode runs over all active slots at once: 33 tokens in 2 slots take about 33 / 2 steps, not 33
     assert steps <= 20
+
+
+def test_run_to_completion_calls_on_sample_once_per_finished_sample(family_model):
+    _, path, _ = family_model
+    engine = load_engine(path, quant="none", device=DEVICE, max_batch=2, max_seq_len=64)
+    reqs = [
+        GenRequest(PROMPTS[0], n=3, max_new_tokens=5, temperature=1.0, seed=0),
+        GenRequest(PROMPTS[1], n=2, max_new_tokens=3),
+    ]
+    seen = []
+    results = run_to_completion(engine, reqs, on_sample=lambda: seen.append(engine.has_work()))
+    assert len(seen) == 5 and [len(r.samples) for r in results] == [3, 2]
+    assert seen[0] and not seen[-1]  # called as samples finish, not once at the end
+    assert all(s is not None for r in results for s in r.samples)
 
 
 def test_update_weights_in_place_matches_engine_built_on_new_weights(tmp_path):

@@ -57,7 +57,7 @@ def pass_counts(model_dir: str, shot: Problem, templates: list[int], s: EasySett
 
     from qurl.data import tokenize_prompts
     from qurl.rewards import gsm8k_reward
-    from rollout_server.engines import GenRequest, load_engine
+    from rollout_server.engines import GenRequest, load_engine, run_to_completion
 
     generators = load_generators()
     problems = [
@@ -72,15 +72,12 @@ def pass_counts(model_dir: str, shot: Problem, templates: list[int], s: EasySett
         GenRequest(x, n=s.samples, max_new_tokens=s.max_new_tokens, stop_token_ids=[tok.eos_token_id], seed=s.seed + i)
         for i, x in enumerate(ids)
     ]
-    for i, req in enumerate(reqs):
-        engine.add_request(req, i)
-    counts = dict.fromkeys(templates, 0)
     with tqdm(total=len(reqs) * s.samples, desc="easy templates", unit="sample", file=sys.stderr) as bar:
-        while engine.has_work():  # score each sample as it finishes, so the bar moves through the minutes
-            for i, _, sample in engine.step():
-                text = tok.decode(sample.token_ids, skip_special_tokens=True)
-                counts[problems[i].template] += int(gsm8k_reward(text, problems[i].answer))
-                bar.update()
+        results = run_to_completion(engine, reqs, on_sample=bar.update)
+    counts = dict.fromkeys(templates, 0)
+    for p, res in zip(problems, results):
+        texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in res.samples]
+        counts[p.template] += int(sum(gsm8k_reward(text, p.answer) for text in texts))
     return counts
 
 

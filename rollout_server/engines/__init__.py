@@ -3,7 +3,7 @@ result records."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,8 +58,11 @@ def check_names(expected: Iterable[str], names: Iterable[str], partial: bool) ->
         )
 
 
-def run_to_completion(engine, requests: list[GenRequest]) -> list[GenResult]:
-    """`generate` of every engine: drive its add_request/step API until each request has all n samples."""
+def run_to_completion(
+    engine, requests: list[GenRequest], on_sample: Callable[[], object] | None = None
+) -> list[GenResult]:
+    """`generate` of every engine: drive its add_request/step API until each request has all n samples
+    (`on_sample` after each finished one, for a progress bar over a long batch)."""
     if engine.has_work():
         raise RuntimeError("generate() needs an idle engine; drive add_request()/step() instead")
     out: list[list[Completion | None]] = [[None] * req.n for req in requests]
@@ -68,6 +71,8 @@ def run_to_completion(engine, requests: list[GenRequest]) -> list[GenResult]:
     while engine.has_work():
         for rid, index, sample in engine.step():
             out[rid][index] = sample
+            if on_sample is not None:
+                on_sample()
     return [GenResult(samples=s) for s in out]
 
 
