@@ -231,3 +231,25 @@ def test_easy_splits_keep_passing_templates_and_fresh_problems_are_new(real_dir:
     assert not {r["prompt"][-1]["content"] for r in fresh} & {r["prompt"][-1]["content"] for r in train}
     assert train == rows(real_dir / "gsm" / "train.jsonl")  # every template kept: the recipe's own draws
     assert prepare_easy(root, info, settings) == easy
+
+
+def test_easy_splits_keep_training_templates_when_no_held_out_template_passes(real_dir: Path, tmp_path: Path) -> None:
+    """Passes saved in easy-counts.json are read back, not measured again; with no held-out template passing (an
+    AMD EPYC run), the training splits are still written and heldout-easy.jsonl is not."""
+    import dataclasses
+
+    from qurl.real.easy import EasySettings, prepare_easy
+
+    root = tmp_path / "real"
+    (root / "gsm").mkdir(parents=True)
+    info = real.read_info(real_dir)  # no model folder under root: a measurement would fail
+    settings = EasySettings()
+    kept = info["train_templates"][:2]
+    counts = {t: int(t in kept) for t in info["train_templates"] + info["heldout_templates"]}
+    saved = {"settings": dataclasses.asdict(settings), "counts": counts, "wall_s": 12.5}
+    (root / "gsm" / "easy-counts.json").write_text(json.dumps(saved))
+    easy = prepare_easy(root, info, settings)
+    assert easy["train_templates"] == kept and easy["heldout_templates"] == [] and easy["heldout_pass_rate"] is None
+    assert easy["wall_s"] == 12.5 and not (root / "gsm" / "heldout-easy.jsonl").exists()
+    assert {r["template"] for r in rows(root / "gsm" / "train-easy.jsonl")} == set(kept)
+    assert {r["template"] for r in rows(root / "gsm" / "fresh-easy.jsonl")} <= set(kept)

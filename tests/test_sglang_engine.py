@@ -252,7 +252,11 @@ def test_qurl_async_with_sglang_trains_and_a_killed_server_restarts(demo_dir, tm
     assert summary["steps"] == 6 and summary["restarts"]["rollout-0"] == 1 and summary["books"]["balanced"]
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss/policy" in r]
     assert rows[0]["staleness/max"] == 0 and rows[0]["mismatch/kl_k3"] < 1e-6, rows[0]  # fp32 SGLang == learner
-    assert all(r["sync/seconds"] > 0 and r["sync/bytes"] > 0 and r["mismatch/kl_k3"] < 0.1 for r in rows), rows
+    assert all(r["sync/seconds"] > 0 and r["sync/bytes"] > 0 for r in rows), rows
+    # a stale batch's kl_k3 also holds the policy's drift over its staleness (0.036 at 2 versions here, above 0.1
+    # once under CI load), so parity is checked on every batch without staleness: step 1 and, when the restart
+    # left the learner waiting on an empty buffer, the restarted server's first batch
+    assert all(r["mismatch/kl_k3"] < 1e-6 for r in rows if r["staleness/max"] == 0), rows
 
 
 def test_qurl_async_with_sglang_int8_pushes_through_our_loader(demo_dir, tmp_path):

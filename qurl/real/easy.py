@@ -6,10 +6,13 @@ fresh instances x a few samples per template, seeded) and keeps the templates wi
 correct sample. It writes, next to the recipe's files in ``gsm/``::
 
     train-easy.jsonl     problems from the kept training templates (same one-shot prompt as train.jsonl)
-    heldout-easy.jsonl   problems from the kept held-out templates (still disjoint from training)
+    heldout-easy.jsonl   problems from the kept held-out templates (still disjoint from training); not written
+                         when no held-out template passed
     fresh-easy.jsonl     new instances of the kept training templates, none of them in train-easy.jsonl: an
                          eval set that moves when the trained templates are learned
     easy.json            the settings, every template's passes / samples, the kept lists, the wall time
+    easy-counts.json     the measured passes alone, written before any filter, so a failed filter never costs the
+                         measurement again
 
 The instances measured are drawn with their own seed, so they are not the problems written out.
 ``qurl-prepare-real --easy`` runs it once; a rerun with the same settings returns at once.
@@ -100,10 +103,27 @@ def write_fresh(out: Path, generators: dict, templates: list[int], recipe: dict,
     _write(out / "fresh-easy.jsonl", [p for p in draws if p.question not in seen][: recipe["heldout_size"]], shot)
 
 
-def prepare_easy(root: Path, info: dict, s: EasySettings = EasySettings()) -> dict:
-    """Measure, filter and write the easy splits under root/gsm unless easy.json already holds these settings."""
+def measured_counts(
+    root: Path, out: Path, templates: list[int], shot: Problem, s: EasySettings
+) -> tuple[dict[int, int], float]:
+    """pass_counts and its wall seconds, or their saved copy for these settings (easy-counts.json, written as soon
+    as they are measured)."""
     from qurl.real.prepare import MODEL_DIR
 
+    saved = out / "easy-counts.json"
+    if saved.is_file():
+        cached = json.loads(saved.read_text())
+        if cached.get("settings") == dataclasses.asdict(s) and set(map(int, cached["counts"])) == set(templates):
+            return {int(t): n for t, n in cached["counts"].items()}, cached["wall_s"]
+    start = time.perf_counter()
+    counts = pass_counts(str(root / MODEL_DIR), shot, templates, s)
+    wall_s = round(time.perf_counter() - start, 1)
+    saved.write_text(json.dumps({"settings": dataclasses.asdict(s), "counts": counts, "wall_s": wall_s}) + "\n")
+    return counts, wall_s
+
+
+def prepare_easy(root: Path, info: dict, s: EasySettings = EasySettings()) -> dict:
+    """Measure, filter and write the easy splits under root/gsm unless easy.json already holds these settings."""
     out = root / "gsm"
     done = out / "easy.json"
     recipe = info["recipe"]
@@ -115,18 +135,16 @@ def prepare_easy(root: Path, info: dict, s: EasySettings = EasySettings()) -> di
             write_fresh(out, generators, cached["train_templates"], recipe, shot)
         return cached
     train_t, held_t = info["train_templates"], info["heldout_templates"]
-    start = time.perf_counter()
-    counts = pass_counts(str(root / MODEL_DIR), shot, train_t + held_t, s)
+    counts, wall_s = measured_counts(root, out, train_t + held_t, shot, s)
     kept_train = [t for t in train_t if counts[t] >= s.min_passes]
     kept_held = [t for t in held_t if counts[t] >= s.min_passes]
-    if not kept_train or not kept_held:
-        raise RuntimeError(f"no template passed {s.min_passes} of {s.instances * s.samples} samples: {counts}")
+    if not kept_train:
+        raise RuntimeError(f"no training template passed {s.min_passes} of {s.instances * s.samples} samples: {counts}")
     _write(out / "train-easy.jsonl", make_problems(generators, kept_train, recipe["train_size"], recipe["seed"]), shot)
-    _write(
-        out / "heldout-easy.jsonl",
-        make_problems(generators, kept_held, recipe["heldout_size"], recipe["seed"] + 1),
-        shot,
-    )
+    held_path = out / "heldout-easy.jsonl"
+    held_path.unlink(missing_ok=True)
+    if kept_held:
+        _write(held_path, make_problems(generators, kept_held, recipe["heldout_size"], recipe["seed"] + 1), shot)
     write_fresh(out, generators, kept_train, recipe, shot)
     per = s.instances * s.samples
     result = {
@@ -136,9 +154,9 @@ def prepare_easy(root: Path, info: dict, s: EasySettings = EasySettings()) -> di
         "train_templates": kept_train,
         "heldout_templates": kept_held,
         "train_pass_rate": sum(counts[t] for t in kept_train) / (per * len(kept_train)),
-        "heldout_pass_rate": sum(counts[t] for t in kept_held) / (per * len(kept_held)),
+        "heldout_pass_rate": sum(counts[t] for t in kept_held) / (per * len(kept_held)) if kept_held else None,
         "all_train_pass_rate": sum(counts[t] for t in train_t) / (per * len(train_t)),
-        "wall_s": round(time.perf_counter() - start, 1),
+        "wall_s": wall_s,
     }
     done.write_text(json.dumps(result, indent=1) + "\n")
     return result

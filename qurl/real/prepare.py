@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(pass rate {easy['train_pass_rate']:.3f} at T=1, "
             f"all of them {easy['all_train_pass_rate']:.3f}), gsm/heldout-easy.jsonl from "
             f"{len(easy['heldout_templates'])} of {len(info['heldout_templates'])} held-out templates "
-            "(see gsm/easy.json)"
+            f"{'' if easy['heldout_templates'] else '(none passed: not written) '}(see gsm/easy.json)"
         )
     return 0
 
