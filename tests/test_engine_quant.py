@@ -16,7 +16,7 @@ from qurl.quant import (
     quantize_uint8_shifted,
 )
 from rollout_server.engines import GenRequest, load_engine
-from rollout_server.engines.linear import LINEARS, Int8Linear, int8_matmul
+from rollout_server.engines.linear import LINEARS, Int8Linear, int8_matmul, onednn_int8_is_exact
 
 SCHEMES = ("int8", "fp8-channel", "fp8-block")
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -163,12 +163,13 @@ def test_every_scheme_has_its_linear_class():
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the oneDNN prepacked int8 path is CPU-only")
 def test_cpu_prepacked_int8_equals_int_mm():
-    """The prepacked oneDNN path (uint8 activations, zero point 128) computes the same exact int32 sums."""
+    """The prepacked oneDNN path (uint8 activations, zero point 128) computes the same exact int32 sums, and is
+    used only where its probe found it exact (not on AVX2-only CPUs, where it was off by up to 0.47 here)."""
     g = torch.Generator().manual_seed(1)
     prefixes = ["model.layers.0.self_attn.o_proj"]
     q = quantize_state_dict({prefixes[0] + ".weight": torch.randn(96, 160, generator=g) * 0.05}, "int8")
     lin = Int8Linear(prefixes, q, torch.float32, torch.device("cpu"))
-    assert lin.packed is not None
+    assert (lin.packed is not None) == onednn_int8_is_exact()
     for m in (1, 7, 64):
         x = torch.randn(m, 160, generator=g) * 3
         torch.testing.assert_close(lin(x), int8_matmul(x, lin.weight, lin.scale_t), rtol=1e-6, atol=0)

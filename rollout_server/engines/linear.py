@@ -9,6 +9,8 @@ WeightOnlyInt8Linear), so a call runs its scheme's kernel without asking which s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,33 @@ _CUDA_INT_MM_MIN_M = 17  # cuBLAS int8 GEMM in torch._int_mm needs more than 16 
 _ONEDNN = torch.backends.mkldnn.is_available()
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if _ONEDNN else None
 _ONEDNN_QLINEAR = _ONEDNN and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+@functools.cache
+def onednn_int8_is_exact() -> bool:
+    """Whether oneDNN's u8 x s8 GEMM gives exact int32 sums here: without VNNI (AVX2-only CPUs) it adds byte pairs
+    in saturating int16 (vpmaddubsw) and is wrong by up to half a logit, so Int8Linear keeps torch._int_mm."""
+    if not _ONEDNN_QLINEAR:
+        return False
+    codes = torch.full((8, 64), 127, dtype=torch.int8)
+    packed = torch.ops.onednn.qlinear_prepack(codes, None)
+    xu = torch.full((1, 64), 255, dtype=torch.uint8)  # 127 * 127 * 2 per pair: over int16's 32767
+    acc = torch.ops.onednn.qlinear_pointwise(
+        xu,
+        1.0,
+        128,
+        packed,
+        torch.ones(8),
+        torch.zeros(8, dtype=torch.int64),
+        None,
+        1.0,
+        0,
+        torch.float32,
+        "none",
+        [],
+        "",
+    )
+    return bool((acc == 127 * 127 * 64).all())
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,7 +128,7 @@ class Int8Linear(_RowScaled):
         super().__init__(prefixes, tensors, dtype, device)
         # CPU: a oneDNN-prepacked copy of the codes, about 2x faster than torch._int_mm at decode shapes
         self.packed = None
-        self._onednn = _ONEDNN_QLINEAR and self.weight.device.type == "cpu"
+        self._onednn = self.weight.device.type == "cpu" and onednn_int8_is_exact()
         if self._onednn:
             self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
             self.repack()
