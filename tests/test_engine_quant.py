@@ -1,6 +1,8 @@
 """Engine with INT8 / FP8 linears: parity with a transformers forward on the same fake-quantized weights and
 activations, the linear kernels against plain math, and in-place updates of quantized buffers."""
 
+import itertools
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -163,14 +165,16 @@ def test_every_scheme_has_its_linear_class():
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the oneDNN prepacked int8 path is CPU-only")
 def test_cpu_prepacked_int8_equals_int_mm():
-    """The prepacked oneDNN path (uint8 activations, zero point 128) computes the same exact int32 sums, and is
-    used only where its probe found it exact (not on AVX2-only CPUs, where it was off by up to 0.47 here)."""
+    """The prepacked oneDNN paths compute int8_matmul's exact int32 sums: zero point 128 where the probe found its
+    sums exact, and the sign split, also forced here so that it runs on every CPU (on an AVX2-only CPU the
+    zero-point path was off by up to 0.47)."""
     g = torch.Generator().manual_seed(1)
     prefixes = ["model.layers.0.self_attn.o_proj"]
     q = quantize_state_dict({prefixes[0] + ".weight": torch.randn(96, 160, generator=g) * 0.05}, "int8")
     lin = Int8Linear(prefixes, q, torch.float32, torch.device("cpu"))
-    assert (lin.packed is not None) == onednn_int8_is_exact()
-    for m in (1, 7, 64):
+    assert lin.packed is not None and lin.split == (not onednn_int8_is_exact())
+    for split, m in itertools.product(sorted({True, lin.split}), (1, 7, 64)):
+        lin.split = split
         x = torch.randn(m, 160, generator=g) * 3
         torch.testing.assert_close(lin(x), int8_matmul(x, lin.weight, lin.scale_t), rtol=1e-6, atol=0)
 
