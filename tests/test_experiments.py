@@ -75,6 +75,7 @@ def test_engine_loads_4_bit_codes_equal_to_quantize(demo_dir):
         load_engine(path, engine="sglang", quant="int8", weight_bits=4)
 
 
+@pytest.mark.slow  # 20-50 s of processes: the default suite stays under 10 minutes
 def test_step1_mismatch_is_larger_at_4_bits(demo_dir, tmp_path):
     """A real measured difference: behaviour logprobs of the 4-bit engine disagree more with the fp learner."""
     procs = {}

@@ -57,6 +57,7 @@ def snapshot(run_dir: Path) -> dict[str, str]:
 # -- two launchers, one run folder ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 20-50 s of processes: the default suite stays under 10 minutes
 def test_a_second_launcher_on_a_live_run_is_refused_and_a_crashed_run_still_resumes(demo_dir, tmp_path):
     run_dir = tmp_path / "owned"
     first = start(demo_dir, run_dir, 40)

@@ -129,8 +129,8 @@ def test_bucketed_micro_batches_take_the_padded_step(gloo_one_rank, real_dir):
     from learner.model import token_logprobs
     from learner.policy_step import _bucketed_rows, _micro_rows
 
-    prompt = [30, 30, 40, 40, 200, 200, 210, 210]
-    response = [12, 40, 25, 8, 150, 190, 170, 120]
+    prompt = [30, 30, 40, 40, 100, 100, 110, 110]
+    response = [12, 40, 25, 8, 60, 90, 70, 50]
     batch = random_batch(prompt, [p + r for p, r in zip(prompt, response)], [1.0, 0.0, 0.5, 0.0] * 2, 40000, 1)
     steps = {}
     for mode in ("padded", "bucketed"):

@@ -211,6 +211,7 @@ def test_real_ablation_quick_runs_a_segment_and_reports(real_dir: Path, tmp_path
     assert len(json.loads((tmp_path / "runs" / "int8-acr-seed0" / "bench_run.json").read_text())["walls"]) == 1
 
 
+@pytest.mark.slow  # 20-50 s of processes: the default suite stays under 10 minutes
 def test_easy_splits_keep_passing_templates_and_fresh_problems_are_new(real_dir: Path, tmp_path: Path) -> None:
     """qurl/real/easy.py at toy sizes (1 sample of 4 tokens per template, min_passes 0 keeps every template): the
     files, their templates, and fresh-easy.jsonl disjoint from train-easy.jsonl; a rerun reads the cache."""

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zmq
 from test_async import demo_overrides, finish, start, wait_for_step
 
@@ -51,6 +52,7 @@ def wait_until(predicate, timeout=120, what="condition"):
 # -- 1. the books ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 20-50 s of processes: the default suite stays under 10 minutes
 def test_books_balance_through_two_server_kills_and_a_learner_kill(demo_dir, tmp_path):
     """rollout-0 SIGKILLed twice, the learner once (then run.resume=true): every group lands in a named category."""
     run_dir = tmp_path / "faults"
@@ -60,7 +62,9 @@ def test_books_balance_through_two_server_kills_and_a_learner_kill(demo_dir, tmp
         victim = pids(run_dir)["rollout-0"]
         os.kill(victim, signal.SIGKILL)
         wait_until(lambda: pids(run_dir)["rollout-0"] != victim, what="the server's restart")
-        wait_for_step(run_dir, last_step(run_dir) + 2)  # the new server's groups are being trained on
+        hello = f"rollout server rollout-0-{pids(run_dir)['rollout-0']} says hello"
+        wait_until(lambda: hello in (run_dir / "logs" / "learner.log").read_text(), what="the new server's hello")
+        wait_for_step(run_dir, last_step(run_dir) + 2)  # so the next checkpoint's ledger holds the new session
     wait_until(lambda: (run_dir / "checkpoints" / f"step_{last_step(run_dir)}").exists(), what="a checkpoint")
     os.kill(pids(run_dir)["learner"], signal.SIGKILL)
     code, out = finish(proc)
@@ -241,6 +245,7 @@ def _other_model(demo_dir, out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow  # 20-50 s of processes: the default suite stays under 10 minutes
 def test_drift_guard_warns_on_a_server_with_another_model_and_forged_frames_are_refused(demo_dir, tmp_path):
     from test_learner import free_port
 
@@ -315,6 +320,7 @@ for step in range(start, start + 1000):
 """
 
 
+@pytest.mark.slow  # 20-50 s of processes: the default suite stays under 10 minutes
 def test_sigkill_during_checkpoint_writes_keeps_the_newest_complete_one(tmp_path):
     """A real process writing 150 MB checkpoints in a loop, SIGKILLed at several points of a write: the newest complete
     checkpoint is found, loads, and holds that step's weights; the torn one is never picked."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_async import ROOT, demo_overrides, finish, start
@@ -40,6 +41,7 @@ def _steps(run_dir) -> int:
     return max([r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss/policy" in r], default=0)
 
 
+@pytest.mark.slow  # 20-50 s of processes: the default suite stays under 10 minutes
 def test_two_servers_and_two_ranks_share_one_budget_and_outlive_a_killed_server(demo_dir, tmp_path):
     run_dir = tmp_path / "two"
     proc = start(
@@ -190,6 +192,7 @@ def _train(demo_dir, run_dir, steps, two_nodes: bool) -> dict[str, torch.Tensor]
     return load_file(run_dir / "hf" / "model.safetensors")
 
 
+@pytest.mark.slow  # 20-50 s of processes: the default suite stays under 10 minutes
 def test_two_torchrun_nodes_train_the_same_weights_as_two_local_ranks(demo_dir, tmp_path):
     steps = 3
     two_nodes = _train(demo_dir, tmp_path / "nodes", steps, two_nodes=True)
