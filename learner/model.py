@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from omegaconf import DictConfig
 from torch import nn
@@ -9,6 +11,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from qurl.quant.invariant_scaling import apply_invariant_scaling
+
+log = logging.getLogger("learner")
 
 
 def invariant_scaling(cfg: DictConfig) -> tuple[float, tuple[str, ...]] | None:
@@ -32,6 +36,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"model.path: {type(model).__name__} has no decoder layers at model.model.layers")
     return layers
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run in hardware here: on AVX2-only CPUs they are emulated, ~8x slower than fp32."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def bf16_training(precision: str, device: torch.device) -> bool:
+    """train.precision resolved: auto is bf16 exactly where bf16 is native, fp32 elsewhere."""
+    if precision == "auto":
+        return native_bf16(device)
+    if precision == "bf16" and not native_bf16(device):
+        log.warning("train.precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): ~8x slower than fp32")
+    return precision == "bf16"
 
 
 def shard(model: nn.Module, bf16: bool) -> nn.Module:
@@ -59,7 +79,7 @@ def build_policy(cfg: DictConfig, device: torch.device, trainable: bool = True) 
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-    return shard(model, bf16=cfg.train.precision == "bf16")
+    return shard(model, bf16=bf16_training(cfg.train.precision, device))
 
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, start: int, temperature: float) -> torch.Tensor:

@@ -119,7 +119,7 @@ class TrainConfig:
     mini_batches: int = 1
     steps: int = 100
     grad_clip: float = 1.0
-    precision: str = "fp32"  # fp32 | bf16 (FSDP2 mixed precision, fp32 master weights)
+    precision: str = "fp32"  # fp32 | bf16 (FSDP2 mixed precision, fp32 master weights) | auto: bf16 where native
     micro_batches: str = "bucketed"  # bucketed: rows sorted by length, cut to least padding | padded: rows in order
 
 
@@ -209,7 +209,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "quant.fp8_granularity": ("block", "channel"),
     "train.lr_schedule": ("constant", "cosine"),
-    "train.precision": ("fp32", "bf16"),
+    "train.precision": ("fp32", "bf16", "auto"),
     "train.micro_batches": ("bucketed", "padded"),
     "log.level": ("debug", "info", "warning"),
     "sync.transport": ("zmq", "cuda-ipc", "nccl"),

@@ -456,6 +456,22 @@ def test_one_mini_batch_reuses_its_forward_as_the_proximal_policy(in_process, ba
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
 
 
+def test_auto_precision_is_bf16_exactly_where_the_cpu_has_native_bf16(caplog):
+    """train.precision=auto: bf16 where /proc/cpuinfo names avx512_bf16 or amx_bf16, fp32 elsewhere (emulated bf16
+    matmuls are ~8x slower on AVX2-only CPUs); an explicit bf16 there is kept, with a warning."""
+    from learner.model import bf16_training, native_bf16
+
+    cpu = torch.device("cpu")
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else None
+    if flags is not None:
+        assert native_bf16(cpu) == bool(flags & {"avx512_bf16", "amx_bf16"}), sorted(flags & {"avx2", "avx512f"})
+    assert bf16_training("auto", cpu) == native_bf16(cpu)
+    assert bf16_training("fp32", cpu) is False
+    with caplog.at_level("WARNING", logger="learner"):
+        assert bf16_training("bf16", cpu) is True
+    assert ("without native bf16" in caplog.text) == (not native_bf16(cpu))
+
+
 def test_bf16_mixed_precision_with_gradient_checkpointing_trains_fp32_masters(in_process, batches):
     from learner.buffer import collate
 
