@@ -100,6 +100,7 @@ def test_demo_run_writes_every_output(demo_dir, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(run_dir / "hf") is not None
 
 
+@pytest.mark.slow  # 20-40 s of processes: the default suite stays under 10 minutes
 def test_synchronous_mode_is_on_policy(demo_dir, tmp_path):
     run_dir = tmp_path / "sync"
     code, out = finish(start(demo_dir, run_dir, 3, "async.max_staleness=0"))
@@ -110,7 +111,12 @@ def test_synchronous_mode_is_on_policy(demo_dir, tmp_path):
 
 @pytest.mark.parametrize(
     "variant",
-    [["rollout.quant=none", "algo.loss=ppo"], ["algo.loss=decoupled"], ["rollout.quant=fp8", "algo.loss=tis"]],
+    [
+        # 10-20 s each: the default suite runs the fp8 one
+        pytest.param(["rollout.quant=none", "algo.loss=ppo"], marks=pytest.mark.slow),
+        pytest.param(["algo.loss=decoupled"], marks=pytest.mark.slow),
+        ["rollout.quant=fp8", "algo.loss=tis"],
+    ],
 )
 def test_demo_variants_run(demo_dir, tmp_path, variant):
     """The README's switches: full-precision and FP8 rollout, every loss mode (acr is the default run's)."""
