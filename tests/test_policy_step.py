@@ -123,6 +123,7 @@ def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo
             torch.testing.assert_close(after[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # two SmolLM2 learner steps, ~65 s: the default suite stays under 10 minutes
 def test_bucketed_micro_batches_take_the_padded_step(gloo_one_rank, real_dir):
     """Length-bucketed micro-batches on SmolLM2-135M: the same log-probs, loss, metrics and update as one padded
     micro-batch, with less padding."""
