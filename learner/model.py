@@ -41,7 +41,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def native_bf16(device: torch.device) -> bool:
     """Whether bf16 matmuls run in hardware here: on AVX2-only CPUs they are emulated, ~8x slower than fp32."""
     if device.type == "cuda":
-        return True
+        return torch.cuda.is_bf16_supported()
     return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 

@@ -123,15 +123,15 @@ def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo
             torch.testing.assert_close(after[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.slow  # two SmolLM2 learner steps, ~65 s: the default suite stays under 10 minutes
+@pytest.mark.slow  # two SmolLM2 learner steps, 1-3 minutes: the default suite stays under 10 minutes
 def test_bucketed_micro_batches_take_the_padded_step(gloo_one_rank, real_dir):
     """Length-bucketed micro-batches on SmolLM2-135M: the same log-probs, loss, metrics and update as one padded
     micro-batch, with less padding."""
     from learner.model import token_logprobs
     from learner.policy_step import _bucketed_rows, _micro_rows
 
-    prompt = [30, 30, 40, 40, 100, 100, 110, 110]
-    response = [12, 40, 25, 8, 60, 90, 70, 50]
+    prompt = [30, 30, 40, 40, 200, 200, 210, 210]
+    response = [12, 40, 25, 8, 150, 190, 170, 120]
     batch = random_batch(prompt, [p + r for p, r in zip(prompt, response)], [1.0, 0.0, 0.5, 0.0] * 2, 40000, 1)
     steps = {}
     for mode in ("padded", "bucketed"):
