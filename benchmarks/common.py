@@ -12,14 +12,19 @@ import torch
 def machine_info(**extra: str) -> dict:
     """CPU model, core count, GPU, torch and Python versions, plus any library versions the caller adds."""
     cpu = platform.processor() or platform.machine()
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            info = f.read().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+        flags = set(next(line.split(":", 1)[1] for line in info if line.startswith("flags")).split())
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "cpu": cpu,
+        # the instructions bf16 and int8 kernels run on: the CPU kinds differ several-fold there
+        "cpu_isa": [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags],
         "cores": os.cpu_count(),
         "gpu": gpu,
         "torch": torch.__version__,

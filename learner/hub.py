@@ -19,8 +19,9 @@ import torch.distributed as dist
 import zmq
 from omegaconf import DictConfig
 
+from learner.batch import Batch, collate, min_version
 from learner.budget import Budget
-from learner.buffer import Batch, TrajectoryBuffer, collate, min_version
+from learner.buffer import TrajectoryBuffer
 from learner.control_plane import ControlPlane
 from learner.errors import StartError, first_line
 from learner.policy_step import DistEnv

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from qurl.quant.invariant_scaling import apply_invariant_scaling
+
+if TYPE_CHECKING:  # annotations only: the GPU check imports this without omegaconf
+    from omegaconf import DictConfig
 
 log = logging.getLogger("learner")
 
@@ -80,19 +83,3 @@ def build_policy(cfg: DictConfig, device: torch.device, trainable: bool = True) 
         model.requires_grad_(False)
         model.eval()
     return shard(model, bf16=bf16_training(cfg.train.precision, device))
-
-
-def token_logprobs(model: nn.Module, input_ids: torch.Tensor, start: int, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) of tokens input_ids[:, start:], each predicted from its prefix: [B, T - start].
-
-    Right padding needs no attention mask: under the causal mask a real token never sees the pads after
-    it. Only the last T - start + 1 positions go through lm_head.
-    """
-    if start < 1:
-        raise ValueError(f"token_logprobs needs start >= 1 (a token needs a prefix), got {start}")
-    keep = input_ids.shape[1] - start + 1
-    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep).logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    targets = input_ids[:, start:].unsqueeze(-1)
-    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)

@@ -12,20 +12,22 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from learner.buffer import Batch
-from learner.model import token_logprobs
+from learner.batch import Batch
+from learner.logprobs import token_logprobs
 from qurl.algorithms import LossSpec, group_advantages, kl_penalty, overlong_penalty, policy_loss
+
+if TYPE_CHECKING:  # annotations only: the GPU check imports this without omegaconf
+    from omegaconf import DictConfig
 
 log = logging.getLogger("learner")
 
-MICRO_BATCH_TOKENS = 16384  # padded tokens per forward; bounds activation memory, never changes the result
 FORWARD_COST_TOKENS = 512  # bucketed micro-batches: one more forward costs about this many padded tokens
 LOSS_METRICS = (
     "actor/clipfrac",
@@ -36,6 +38,7 @@ LOSS_METRICS = (
     "mismatch/kl_k3",
     "mismatch/rho_max",
 )
+ENTROPY = "actor/entropy"  # mean entropy of the policy over the batch's response tokens, before its updates
 
 
 @dataclass
@@ -122,18 +125,16 @@ class PolicyStep:
         algo = self.algo
         advantages, metrics = self._advantages(batch)
         plan, totals = self._plan(batch, advantages)
-        temp = self.temperature
         # one mini-batch of a dropout-free model: the first update's own forward is the proximal policy
         reuse_prox = len(plan) == 1 and self.dropout_free
+        entropy = torch.zeros((), dtype=torch.float64)  # token-weighted sum over this rank's response tokens
         self.model.eval()
         with torch.no_grad():
-            prox = (
-                None
-                if reuse_prox
-                else [[token_logprobs(self.model, m.input_ids, m.start, temp) for m in mini] for mini in plan]
-            )
+            prox = None
+            if not reuse_prox:
+                prox = [[self._logprobs(self.model, m, entropy) for m in mini] for mini in plan]
             ref = (
-                [[token_logprobs(self.reference, m.input_ids, m.start, temp) for m in mini] for mini in plan]
+                [[self._logprobs(self.reference, m) for m in mini] for mini in plan]
                 if self.reference is not None
                 else None
             )
@@ -150,7 +151,7 @@ class PolicyStep:
             self.optimizer.zero_grad(set_to_none=True)
             finite, pg_sum, kl_sum = True, 0.0, 0.0
             for j, m in enumerate(mini):
-                logp = token_logprobs(self.model, m.input_ids, m.start, temp)
+                logp = self._logprobs(self.model, m, entropy if reuse_prox else None)
                 loss, lm = policy_loss(
                     logp,
                     logp.detach() if reuse_prox else prox[i][j],
@@ -194,6 +195,8 @@ class PolicyStep:
                 losses.append(float("nan"))
                 log.warning("step %d: non-finite loss or grad norm in mini-batch %d; update skipped", step + 1, i)
         metrics.update(_reduce_loss_metrics(sums, maxes, float(totals[:, 0].sum())))
+        dist.all_reduce(entropy)
+        metrics[ENTROPY] = entropy.item() / max(float(totals[:, 0].sum()), 1.0)
         metrics.update(
             {
                 "loss/policy": _mean(losses),
@@ -208,6 +211,13 @@ class PolicyStep:
         if ref is not None:
             metrics["loss/kl"] = _mean(kls)
         return StepResult(applied > 0, len(plan) - applied, metrics)
+
+    def _logprobs(self, model: nn.Module, m: MicroBatch, entropy: torch.Tensor | None = None) -> torch.Tensor:
+        """Log-probs of m's tokens under `model`; adds the entropy summed over m's response tokens to `entropy`."""
+        out = token_logprobs(model, m.input_ids, m.start, self.temperature, entropy=entropy is not None)
+        if entropy is not None:
+            entropy += (out.entropy.detach() * m.mask).sum().double().cpu()
+        return out.logp
 
     def _advantages(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """GRPO-style group advantages, with DAPO's overlong penalty added to the rewards first when enabled."""
@@ -224,13 +234,13 @@ class PolicyStep:
     def _plan(self, batch: Batch, advantages: torch.Tensor) -> tuple[list[list[MicroBatch]], torch.Tensor]:
         """This rank's micro-batches per mini-batch (groups split into mini-batches, then across ranks), and the
         global [tokens, sequences] of each mini-batch. Every rank gets the same number of micro-batches."""
-        world, rank = self.env.world, self.env.rank
+        world, rank, budget = self.env.world, self.env.rank, self.train_cfg.micro_batch_tokens
         chunks = torch.tensor_split(torch.arange(batch.num_groups), self.train_cfg.mini_batches)
         rows_per_mini = [
             torch.nonzero(torch.isin(batch.group, torch.tensor_split(c, world)[rank])).flatten() for c in chunks
         ]
         plan = [
-            _bucketed_rows(rows, batch, self.head_weight) if self.bucketed else _micro_rows(rows, batch)
+            _bucketed_rows(rows, batch, self.head_weight, budget) if self.bucketed else _micro_rows(rows, batch, budget)
             for rows in rows_per_mini
         ]
         counts = torch.tensor([len(p) for p in plan])
@@ -271,12 +281,12 @@ class PolicyStep:
         )
 
 
-def _micro_rows(rows: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
-    """Cut rows (in order) into runs whose padded size stays within MICRO_BATCH_TOKENS (at least one row each)."""
+def _micro_rows(rows: torch.Tensor, batch: Batch, budget: int) -> list[torch.Tensor]:
+    """Cut rows (in order) into runs whose padded size stays within `budget` tokens (at least one row each)."""
     out, current, longest = [], [], 0
     for r in rows.tolist():
         length = int(batch.total_len[r])
-        if current and (len(current) + 1) * max(longest, length) > MICRO_BATCH_TOKENS:
+        if current and (len(current) + 1) * max(longest, length) > budget:
             out.append(torch.tensor(current))
             current, longest = [], 0
         current.append(r)
@@ -286,14 +296,14 @@ def _micro_rows(rows: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
     return out
 
 
-def _bucketed_rows(rows: torch.Tensor, batch: Batch, head_weight: float) -> list[torch.Tensor]:
+def _bucketed_rows(rows: torch.Tensor, batch: Batch, head_weight: float, budget: int) -> list[torch.Tensor]:
     """Rows sorted by length and cut where padding costs more than a forward: the least padded work.
 
     Each row's log-probs do not depend on the rows beside it (right padding, causal mask) and the loss is a sum
     over rows normalised by the mini-batch's global totals, so any grouping gives the same step. The cost of a
     micro-batch is its padded tokens through the body, plus head_weight times its padded lm_head positions
     (start..end), plus FORWARD_COST_TOKENS; contiguous runs of the sorted rows are chosen by dynamic programming
-    under MICRO_BATCH_TOKENS.
+    under `budget` padded tokens.
     """
     order = sorted(rows.tolist(), key=lambda r: (int(batch.total_len[r]), int(batch.prompt_len[r])))
     total = [int(batch.total_len[r]) for r in order]
@@ -303,7 +313,7 @@ def _bucketed_rows(rows: torch.Tensor, batch: Batch, head_weight: float) -> list
         start = prompt[j]
         for i in range(j, -1, -1):
             n = j - i + 1
-            if n > 1 and n * total[j] > MICRO_BATCH_TOKENS:
+            if n > 1 and n * total[j] > budget:
                 break
             start = min(start, prompt[i])
             cost = best[i] + n * (total[j] + head_weight * (total[j] - start)) + FORWARD_COST_TOKENS

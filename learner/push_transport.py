@@ -121,8 +121,10 @@ class NcclPush:
         replicas: int,
         tp_size: int,
         bucket_bytes: int = payload.UPDATE_BUCKET_BYTES,
+        timeout_s: float = 3600.0,
     ) -> None:
         self.sender, self.scheme, self.device, self.bucket_bytes = sender, scheme, device, bucket_bytes
+        self.timeout_s = timeout_s
         self.address = payload.group_address(endpoint)
         self.world, _ = payload.update_group_layout(replicas, tp_size)
         self.group = None
@@ -131,9 +133,15 @@ class NcclPush:
         """Join the update group as rank 0; returns once every replica's TP ranks have joined too."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         log.info(
-            "waiting for %d rollout ranks to join the %s weight group at %s:%d", self.world - 1, backend, *self.address
+            "waiting up to %.0f s for %d rollout ranks to join the %s weight group at %s:%d",
+            self.timeout_s,
+            self.world - 1,
+            backend,
+            *self.address,
         )
-        self.group = payload.open_update_group(*self.address, self.world, payload.GROUP_NAME, backend)
+        self.group = payload.open_update_group(
+            *self.address, self.world, payload.GROUP_NAME, backend, timeout_s=self.timeout_s
+        )
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> PushStats:
         if self.group is None:
@@ -157,6 +165,6 @@ def build(cfg: DictConfig, sender: WeightSender, scheme: str, device: torch.devi
     replicas = len(cfg.cluster.rollout_gpus) // tp
     if kind == "cuda-ipc":
         return IpcPush(sender, scheme, device, replicas * tp)
-    push = NcclPush(sender, scheme, device, cfg.sync.group_endpoint, replicas, tp)
+    push = NcclPush(sender, scheme, device, cfg.sync.group_endpoint, replicas, tp, timeout_s=cfg.sync.group_timeout_s)
     push.open()
     return push

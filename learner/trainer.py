@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from learner import checkpoint, push_transport
 from learner.checkpointer import Checkpointer, TrainState
 from learner.errors import StartError, all_started, first_line
-from learner.evaluation import Evaluation, FpEvaluator
+from learner.evaluation import Evaluation, FpEvaluator, acc_fp_mode
 from learner.hub import Hub
 from learner.model import build_policy, invariant_scaling
 from learner.policy_step import DistEnv, PolicyStep
@@ -83,14 +83,21 @@ class Learner:
         problem = None
         if self.is_main:
             try:
-                evaluator = FpEvaluator.from_config(cfg)
+                evaluator = FpEvaluator.from_config(cfg, env.device)
                 self._open_hub(model)
             except DatasetError as exc:
                 problem = StartError(f"data.eval_files: {exc}")
             except StartError as exc:
                 problem = exc
         self.evaluation = Evaluation(
-            evaluator, self.hub.plane, self.scheme, cfg.eval.every, cfg.train.steps, cfg.eval.final
+            evaluator,
+            self.hub.plane,
+            self.scheme,
+            cfg.eval.every,
+            cfg.train.steps,
+            cfg.eval.final,
+            mode=acc_fp_mode(cfg, env.device),
+            enabled=bool(cfg.data.eval_files),
         )
         all_started(problem, self.is_main)
 
@@ -145,7 +152,8 @@ class Learner:
                     self.state.step,
                 )
             return 1
-        if self.is_main and self.evaluation.evaluator is not None and self.state.step >= self.cfg.train.steps:
+        self.evaluation.hold(self.state.step, self.metrics, final=True)  # a background eval/acc_fp finishes first
+        if self.is_main and self.evaluation.enabled and self.state.step >= self.cfg.train.steps:
             self.evaluation.wait_for_quant(self.state.step, self.metrics)
         self.ckpt.export(self.policy.model, invariant_scaling(self.cfg))
         if self.is_main:
@@ -185,17 +193,19 @@ class Learner:
         self._publish(publish=self.state.version > 0)
 
     def _publish(self, publish: bool = True) -> dict:
-        """Collective: gather full weights to rank 0, evaluate them when due, quantize, publish (publish=False:
-        only remember the codes)."""
+        """Collective: gather full weights to rank 0, start their evaluation when due, quantize, publish
+        (publish=False: only remember the codes); an inline evaluation holds every rank until it is done."""
         started = time.perf_counter()
         self.ckpt.require_finite(self.policy.model, self.state.step)
         state = checkpoint.full_state_dict(self.policy.model)
-        if not self.is_main:
-            return {}
-        gathered_s = time.perf_counter() - started
-        if self.evaluation.due(self.state.step):  # not part of sync/seconds
-            self.evaluation.run(state, self.state.step, self.state.version, self.metrics)
-        return self.publisher.push(state, self.state.version, publish, gathered_s)
+        sync = {}
+        if self.is_main:
+            gathered_s = time.perf_counter() - started
+            if self.evaluation.due(self.state.step):  # loads the weights now, generates in its own thread
+                self.evaluation.start(state, self.state.version)  # not part of sync/seconds
+            sync = self.publisher.push(state, self.state.version, publish, gathered_s)
+        self.evaluation.hold(self.state.step, self.metrics)
+        return sync
 
     def _checkpoint(self) -> None:
         ledger = self.hub.ledger() if self.is_main else None

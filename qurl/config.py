@@ -13,6 +13,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from qurl.rewards import BUILTIN
+
 
 class ConfigError(ValueError):
     """A config problem, phrased as one line naming the key and what is allowed."""
@@ -44,7 +46,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "math"  # math | arith | gsm8k | package.module:function
+    name: str = "math"  # a built-in (qurl.rewards.BUILTIN: math, dapo, gsm8k, arith) or package.module:function
     timeout_s: float = 10.0
     workers: int = 2
 
@@ -121,6 +123,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     precision: str = "fp32"  # fp32 | bf16 (FSDP2 mixed precision, fp32 master weights) | auto: bf16 where native
     micro_batches: str = "bucketed"  # bucketed: rows sorted by length, cut to least padding | padded: rows in order
+    # padded tokens per forward (a longer row gets a micro-batch of its own); bounds activation memory, never the
+    # result. Per GPU at 7B, 4 FSDP2 ranks, checkpointed layers: 16384 on 80 GB and up, 8192 on 40-48 GB (README)
+    micro_batch_tokens: int = 16384
 
 
 @dataclass
@@ -152,6 +157,9 @@ class SyncConfig:
     full_every: int = 10  # a full weight push every N versions, deltas between
     transport: str = "zmq"  # zmq | cuda-ipc | nccl (the last two: rollout.engine=sglang on GPUs)
     group_endpoint: str = "auto"  # nccl: tcp://HOST:PORT where learner rank 0 and the replicas meet; auto: launcher
+    # nccl: how long learner rank 0 waits for every replica to join (and a broadcast for its receivers); longer than
+    # the slowest server start: a first FP8 start on SM90 compiles DeepGEMM kernels for 10-20 minutes
+    group_timeout_s: float = 3600.0
 
 
 @dataclass
@@ -161,6 +169,10 @@ class EvalConfig:
     temperature: float = 0.0
     max_problems: int = 512
     final: bool = True  # evaluate after the last step too; off: only at the start and every eval.every steps
+    # eval/acc_fp on the learner's device (rank 0's GPU in bf16, else the CPU in fp32), in a thread of its own:
+    # inline (training waits) | background (training goes on) | none | auto (background on GPUs, inline on the CPU)
+    acc_fp: str = "auto"
+    max_new_tokens: int = 0  # the longest held-out answer, both engines; 0: rollout.sampling.max_new_tokens
 
 
 @dataclass
@@ -213,6 +225,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.micro_batches": ("bucketed", "padded"),
     "log.level": ("debug", "info", "warning"),
     "sync.transport": ("zmq", "cuda-ipc", "nccl"),
+    "eval.acc_fp": ("auto", "inline", "background", "none"),
 }
 
 # key -> (lower bound, whether the bound itself is allowed, upper bound or None)
@@ -240,6 +253,7 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "train.warmup_steps": (0, True, None),
     "train.batch_prompts": (1, True, None),
     "train.mini_batches": (1, True, None),
+    "train.micro_batch_tokens": (1, True, None),
     "train.steps": (1, True, None),
     "train.grad_clip": (0, False, None),
     "async.max_staleness": (0, True, None),
@@ -248,10 +262,12 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "cluster.learner_ranks": (1, True, None),
     "cluster.rollout_servers": (1, True, None),
     "sync.full_every": (1, True, None),
+    "sync.group_timeout_s": (0, False, None),
     "eval.every": (0, True, None),
     "eval.n_samples": (1, True, None),
     "eval.temperature": (0, True, None),
     "eval.max_problems": (1, True, None),
+    "eval.max_new_tokens": (0, True, None),
     "checkpoint.every": (0, True, None),
     "checkpoint.keep": (1, True, None),
     "log.interval_s": (0, False, None),
@@ -354,6 +370,11 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
             f"rollout.n_samples=1 does not work with algo.advantage={get(cfg, 'algo.advantage')} "
             "(group-based); it must be >= 2"
         )
+    if get(cfg, "eval.max_new_tokens") > get(cfg, "rollout.sampling.max_new_tokens"):
+        raise ConfigError(
+            f"eval.max_new_tokens={get(cfg, 'eval.max_new_tokens')} is out of range; it must be <= "
+            f"rollout.sampling.max_new_tokens={get(cfg, 'rollout.sampling.max_new_tokens')} (0: the same)"
+        )
     if get(cfg, "train.mini_batches") > get(cfg, "train.batch_prompts"):
         raise ConfigError("train.mini_batches must be <= train.batch_prompts")
     targets = list(get(cfg, "quant.invariant_scaling.targets"))
@@ -382,8 +403,8 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
             "set rollout.dtype=bfloat16"
         )
     name = get(cfg, "reward.name")
-    if name not in ("math", "arith", "gsm8k") and not re.fullmatch(r"[\w.]+:\w+", name):
-        raise ConfigError(f"reward.name={name!r} is not allowed; use math, arith, gsm8k or package.module:function")
+    if name not in BUILTIN and not re.fullmatch(r"[\w.]+:\w+", name):
+        raise ConfigError(f"reward.name={name!r} is not allowed; use {', '.join(BUILTIN)} or package.module:function")
     _validate_transport(cfg)
     _validate_sync(cfg)
     if check_paths:

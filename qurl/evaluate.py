@@ -47,6 +47,11 @@ def load_prompts(cfg: Any, files: list[str], tokenizer: Any, **options: Any) -> 
         ) from None
 
 
+def eval_max_new_tokens(cfg: Any) -> int:
+    """eval.max_new_tokens, or the rollout's answer length when it is 0: the longest answer either engine writes."""
+    return get(cfg, "eval.max_new_tokens") or get(cfg, "rollout.sampling.max_new_tokens")
+
+
 def load_eval_set(cfg: Any, tokenizer: Any) -> EvalSet | None:
     """The first eval.max_problems prompts of data.eval_files, or None when there are none."""
     files = list(get(cfg, "data.eval_files"))

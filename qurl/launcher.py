@@ -14,15 +14,28 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from qurl import books, checkpoint_files, preflight, run_folder
+from qurl import books, checkpoint_files, environment, preflight, run_folder
 from qurl.checkpoint_files import step_dirs
 from qurl.cli import EXIT_DIVERGED, EXIT_FAULT, EXIT_INPUT, die_with_parent, parse
 from qurl.config import ConfigError, get, run_dir, to_yaml
 from qurl.layout import REPLACES_ENV, plan
 from qurl.metrics import truncate_after
-from qurl.report import NO_SIGNAL_STEPS, no_signal_streak, plot_curves, read_metrics, write_summary
+from qurl.report import (
+    NO_ANSWER_STEPS,
+    NO_SIGNAL_STEPS,
+    no_answer_streak,
+    no_signal_streak,
+    plot_curves,
+    read_metrics,
+    write_summary,
+)
+from qurl.rewards import BUILTIN
 
 PROG = "qurl-async"
+
+
+# What SGLang sets in its own processes where these are unset; the learner must broadcast with the same values
+NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
 
 
 def free_port() -> int:
@@ -126,6 +139,8 @@ def build_children(
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not cfg.cluster.learner_gpus:
         base_env["OMP_NUM_THREADS"] = threads_per_process(cfg, len(server_plans))
+    if get(cfg, "sync.transport") == "nccl":  # one NCCL setting on both ends of the weight broadcasts
+        base_env.update({k: base_env.get(k, v) for k, v in NCCL_ENV.items()})
     logs = os.path.join(out, "logs")
     learner, *servers = [
         Child(
@@ -142,12 +157,12 @@ def build_children(
 class ProgressBar:
     """One tqdm bar fed from metrics.jsonl: step / total, reward, tokens/s, version, staleness, accuracies."""
 
-    def __init__(self, total: int, metrics_path: str, start: int = 0):
+    def __init__(self, total: int, metrics_path: str, start: int = 0, reward: str = "math"):
         from tqdm import tqdm
 
-        self.path = metrics_path
+        self.path, self.reward = metrics_path, reward
         self.bar = tqdm(total=total, initial=start, desc="qurl", unit="step", dynamic_ncols=True)
-        self.no_signal_warned = False
+        self.no_signal_warned = self.no_answer_warned = False
 
     def update(self) -> None:
         """Show the newest training row (eval rows carry no reward) and the newest accuracies."""
@@ -171,6 +186,10 @@ class ProgressBar:
             {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in post.items() if v is not None}, refresh=False
         )
         self.bar.refresh()
+        streak = no_answer_streak(rows)
+        if streak >= NO_ANSWER_STEPS and not self.no_answer_warned:
+            self.no_answer_warned = True
+            self.bar.write(f"{PROG}: WARNING: {no_answer_line(streak, self.reward)}")
         streak = no_signal_streak(rows)
         if streak >= NO_SIGNAL_STEPS and not self.no_signal_warned:
             self.no_signal_warned = True
@@ -184,14 +203,25 @@ class ProgressBar:
         self.bar.close()
 
 
+def no_answer_line(steps: int, reward: str) -> str:
+    """Why every reward is 0: no response had a final answer in a form the reward reads."""
+    reads = f" (it reads {BUILTIN[reward].reads})" if reward in BUILTIN else ""
+    return (
+        f"no response in the last {steps} steps had an answer the reward could read: reward.name={reward}{reads}; "
+        "make the prompts ask for that form (data.instruction) or choose the reward that reads the form they ask for"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check everything that would fail on every try, claim the run folder, run, report; return the exit code."""
     cfg = parse(PROG, argv)
     out = run_dir(cfg)
     config_path = os.path.join(out, "config.yaml")
     try:
+        environment.check_driver(cfg)  # before counting GPUs: an old driver is why torch would see none
         learner, servers = build_children(cfg, config_path, out, *node_gpus(cfg))
         data = preflight.check(cfg)
+        environment.check_room(cfg, out)
     except ConfigError as exc:
         print(f"{PROG}: config error: {exc}", file=sys.stderr)
         return EXIT_INPUT
@@ -244,7 +274,9 @@ def _run(cfg: DictConfig, out: str, config_path: str, learner: Child, servers: l
     for s in servers:
         s.start()
     _write_pids(out, [learner, *servers])
-    progress = ProgressBar(cfg.train.steps, os.path.join(out, "metrics.jsonl"), notes.get("resume/step", 0))
+    progress = ProgressBar(
+        cfg.train.steps, os.path.join(out, "metrics.jsonl"), notes.get("resume/step", 0), get(cfg, "reward.name")
+    )
     code = 0
     try:
         code = _supervise(cfg, learner, servers, progress, stop)
@@ -257,7 +289,13 @@ def _run(cfg: DictConfig, out: str, config_path: str, learner: Child, servers: l
         out,
         config_yaml,
         wall,
-        {"restarts": {s.name: s.restarts for s in servers}, "exit_code": code, "books": ledger, **notes},
+        {
+            "restarts": {s.name: s.restarts for s in servers},
+            "exit_code": code,
+            "books": ledger,
+            "reward/name": get(cfg, "reward.name"),
+            **notes,
+        },
     )
     plot_curves(out)
     _print_summary(summary, out, code)
@@ -393,6 +431,8 @@ def _print_summary(summary: dict, out: str, code: int) -> None:
             else (f"; the final weights (version {summary['version']}) were not evaluated")
         )
         lines.append(f"  held-out accuracy (quantized engine): {first:.3f}{change}{unfinished}")
+    if summary.get("reward/no_answer_steps", 0) >= NO_ANSWER_STEPS:
+        lines.append(f"  WARNING: {no_answer_line(summary['reward/no_answer_steps'], summary['reward/name'])}")
     if summary.get("reward/no_signal_steps", 0) >= NO_SIGNAL_STEPS:
         lines.append(
             f"  WARNING: {summary['reward/no_signal_steps']} steps in a row had no reward signal "

@@ -52,6 +52,22 @@ def no_signal_streak(rows: list[dict[str, Any]]) -> int:
     return longest
 
 
+NO_ANSWER_STEPS = 5  # this many steps in a row where no response had an answer the reward could read: warn
+
+
+def no_answer_streak(rows: list[dict[str, Any]]) -> int:
+    """The longest run of consecutive training steps in which every sample's reward status was no_answer."""
+    longest = current = 0
+    for r in rows:
+        statuses = {k: v for k, v in r.items() if k.startswith("reward/status_")}
+        if not statuses:
+            continue
+        total = sum(statuses.values())
+        current = current + 1 if total and statuses.get("reward/status_no_answer", 0) == total else 0
+        longest = max(longest, current)
+    return longest
+
+
 def write_summary(run_dir: str, config_yaml: str, wall_s: float, extra: dict | None = None) -> dict:
     """Write summary.json: final and best reward and accuracy, totals, wall time, config hash."""
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
@@ -73,6 +89,7 @@ def write_summary(run_dir: str, config_yaml: str, wall_s: float, extra: dict | N
         summary[f"{key}/final"] = summary[f"{key}/last"] if evals and last_version == summary["version"] else None
         summary[f"{key}/best"] = _best(rows, key)
     summary["reward/no_signal_steps"] = no_signal_streak(rows)
+    summary["reward/no_answer_steps"] = no_answer_streak(rows)
     tokens = sum(r.get("rollout/tokens", 0) for r in rows)
     summary["totals"] = {
         "response_tokens": tokens,

@@ -1,8 +1,13 @@
 """Verifiable rewards, scored in worker processes with a hard per-item timeout.
 
-Built-in reward functions, chosen by name (config `reward.name`):
+Built-in reward functions, chosen by name (config `reward.name`; the registry BUILTIN):
 - ``math``: math-verify on the response's final answer against the gold answer. The final answer is
-  the last ``\\boxed{...}``, else the last ``#### X`` line, else the last "the answer is X".
+  the last ``\\boxed{...}``, else the last ``Answer: X`` line (the form DAPO-Math-17k and its AIME sets ask for),
+  else the last ``#### X`` line, else the last "the answer is X".
+- ``dapo``: DAPO's own verifier (verl's ``math_dapo``): in the response's last 300 characters, the last
+  ``Answer: X`` (case-insensitive), else the last ``\\boxed{}`` of the last 100 characters, normalised as Minerva
+  does (units, ``\\text{}``, ``$``, thousands separators dropped) and compared as strings with the normalised
+  gold answer. It scores 1 or 0 (DAPO's -1 for a wrong answer is the same advantage after group normalisation).
 - ``gsm8k``: grade-school math with a numeric gold answer. The final answer is, in this order, the
   last ``#### N``, else the last ``\\boxed{...}``, else the last number anywhere in the response.
   Thousands separators, currency signs, units and a trailing period are removed and the numbers are
@@ -38,11 +43,11 @@ from fractions import Fraction
 
 log = logging.getLogger(__name__)
 
-BUILTIN = ("math", "arith", "gsm8k")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _INT = re.compile(r"[+-]?\d+")
 _HASHES = re.compile(r"####\s*([^\n]*)")
 _ANSWER_IS = re.compile(r"answer is:?\s*([^\n]*)", re.IGNORECASE)
+_ANSWER_LINE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)  # DAPO's pattern: its prompts ask for it
 # A number as people write it: optional sign and currency, thousands separators, decimals.
 _NUMBER = re.compile(r"-?[$£€¥]?\s*(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?[$£€¥]?\s*\.\d+")
 
@@ -54,7 +59,7 @@ class RewardError(RuntimeError):
 @dataclass(frozen=True)
 class RewardResult:
     reward: float
-    status: str  # ok | timeout | error | nan
+    status: str  # ok | no_answer (a built-in reward found no final answer to read) | timeout | error | nan
     detail: str = ""
 
 
@@ -94,17 +99,84 @@ def _verify(pred: str, gold: str) -> bool:
     return bool(g and p and verify(g, p, timeout_seconds=None))
 
 
-def math_reward(response: str, answer: str) -> float:
-    """1.0 when the response's final answer (boxed, else ``#### X``, else "the answer is X") equals the gold answer."""
+def math_final_answer(response: str) -> str | None:
+    """The last boxed answer, else the last ``Answer: X``, else ``#### X``, else "the answer is X"; None if none."""
     pred = last_boxed(response)
     if pred is None:
-        pred = _last_match(_HASHES, response) or _last_match(_ANSWER_IS, response)
-        pred = pred.rstrip(".").strip("$ ") if pred else None
+        pred = _last_match(_ANSWER_LINE, response) or _last_match(_HASHES, response)
+        pred = pred or _last_match(_ANSWER_IS, response)
+        pred = pred.rstrip(".").strip("$* ") if pred else None
+    return pred or None
+
+
+def math_reward(response: str, answer: str) -> float:
+    """1.0 when the response's final answer (math_final_answer) equals the gold answer under math-verify."""
+    pred = math_final_answer(response)
     if not pred:
         return 0.0
     gold = answer.strip()
     gold = last_boxed(gold) or gold.strip("$")  # gold answers sometimes come boxed or in $...$
     return 1.0 if _verify(pred, gold) else 0.0
+
+
+# Minerva's answer normalisation, as DAPO's verifier applies it: replacements, then words and marks removed
+_MINERVA_REPLACE = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
+_MINERVA_REMOVE = (
+    *("square ways integers dollars mph inches hours km units \\ldots sue points feet minutes digits".split()),
+    *("cents degrees cm gm pounds meters meals edges students childrentickets multiples".split()),
+    *("\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}"),
+    *("\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots"),
+)
+_MINERVA_REGEX = (
+    (re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), "$\\3$"),  # the first $...$ span, alone
+    (re.compile(r"(\\text\{)(.*?)(\})"), "\\2"),
+    (re.compile(r"(\\textbf\{)(.*?)(\})"), "\\2"),
+    (re.compile(r"(\\overline\{)(.*?)(\})"), "\\2"),
+    (re.compile(r"(\\boxed\{)(.*)(\})"), "\\2"),
+    (re.compile(r"(frac)([^{])(.)"), "frac{\\2}{\\3}"),  # \fracab -> \frac{a}{b}
+    (re.compile(r"(sqrt)([^{])"), "sqrt{\\2}"),  # \sqrta -> \sqrt{a}
+)
+
+
+def minerva_normalize(text: str) -> str:
+    """A final answer as Minerva (and DAPO's verifier) compare it: the part after the last '=', without units."""
+    text = text.split("=")[-1]
+    for before, after in _MINERVA_REPLACE:
+        text = text.replace(before, after)
+    for word in _MINERVA_REMOVE:
+        text = text.replace(word, "")
+    for pattern, repl in _MINERVA_REGEX:
+        text = pattern.sub(repl, text)
+    text = text.replace("$", "")
+    if text.replace(",", "").isdigit():
+        text = text.replace(",", "")
+    return text.strip()
+
+
+def dapo_final_answer(response: str) -> str | None:
+    """What DAPO's verifier reads: the last ``Answer: X`` of the last 300 characters, else their last 100's box."""
+    tail = response[-300:]
+    found = _ANSWER_LINE.findall(tail)
+    if found:
+        return found[-1]
+    return last_boxed(tail[-100:])
+
+
+def dapo_reward(response: str, answer: str) -> float:
+    """1.0 when the Minerva-normalised final answer (dapo_final_answer) equals the normalised gold answer."""
+    pred = dapo_final_answer(response)
+    return 1.0 if pred is not None and minerva_normalize(pred) == minerva_normalize(answer) else 0.0
 
 
 def parse_number(text: str) -> Fraction | None:
@@ -144,31 +216,50 @@ def _as_int(text: str) -> int | None:
     return int(text) if _INT.fullmatch(text) else None
 
 
+def arith_final_answer(response: str) -> str | None:
+    """The last non-empty line if it is an integer, else the last boxed value; None when neither is an integer."""
+    lines = response.strip().splitlines()
+    if lines and _as_int(lines[-1]) is not None:
+        return lines[-1]
+    boxed = last_boxed(response)
+    return boxed if boxed is not None and _as_int(boxed) is not None else None
+
+
 def arith_reward(response: str, answer: str) -> float:
     """1.0 when the response's last non-empty line, or else its last boxed value, is the gold integer."""
     gold = _as_int(answer)
     if gold is None:
         raise ValueError(f"arith reward needs an integer gold answer, got {answer[:40]!r}")
-    lines = response.strip().splitlines()
-    got = _as_int(lines[-1]) if lines else None
-    if got is None:
-        boxed = last_boxed(response)
-        got = _as_int(boxed) if boxed is not None else None
-    return 1.0 if got == gold else 0.0
+    got = arith_final_answer(response)
+    return 1.0 if got is not None and _as_int(got) == gold else 0.0
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in reward: its score, and the final answer it reads (None: the response gives it nothing to read)."""
+
+    score: Callable[[str, str], float]
+    final_answer: Callable[[str], str | None]
+    reads: str  # the forms of a final answer it reads, for the no-answer warning
+
+
+BUILTIN: dict[str, Builtin] = {
+    "math": Builtin(math_reward, math_final_answer, "\\boxed{X}, 'Answer: X', '#### X' or 'the answer is X'"),
+    "dapo": Builtin(dapo_reward, dapo_final_answer, "'Answer: X' or \\boxed{X} at the end"),
+    "gsm8k": Builtin(gsm8k_reward, gsm8k_final_answer, "'#### N', \\boxed{N} or any number"),
+    "arith": Builtin(arith_reward, arith_final_answer, "an integer on the last line or in \\boxed{}"),
+}
+MATH_VERIFY = ("math", "gsm8k")  # the built-ins that call math-verify (its parser warms up once per worker)
 
 
 def resolve_reward_fn(name: str) -> Callable[[str, str], float]:
     """The reward function a name refers to; imports ``module:function`` names."""
-    if name == "math":
-        return math_reward
-    if name == "arith":
-        return arith_reward
-    if name == "gsm8k":
-        return gsm8k_reward
+    if name in BUILTIN:
+        return BUILTIN[name].score
     module, sep, attr = name.partition(":")
     if not sep or not module or not attr:
         raise RewardError(
-            f"reward.name: unknown reward {name!r}; allowed: math, arith, gsm8k or package.module:function"
+            f"reward.name: unknown reward {name!r}; allowed: {', '.join(BUILTIN)} or package.module:function"
         )
     try:
         fn = getattr(importlib.import_module(module), attr)
@@ -197,10 +288,8 @@ def _worker_main(conn: mpc.Connection, lifeline: mpc.Connection, name: str) -> N
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" warning is intended
     try:
         fn = resolve_reward_fn(name)
-        if name in (
-            "math",
-            "gsm8k",
-        ):  # the first check in a process takes ~0.2 s (parser warm-up): not on an item's clock
+        extract = BUILTIN[name].final_answer if name in BUILTIN else None
+        if name in MATH_VERIFY:  # the first check in a process takes ~0.2 s (parser warm-up): not on an item's clock
             math_reward("\\boxed{\\frac{1}{2}}", "0.5")
     except BaseException as e:  # noqa: BLE001  (report any import failure to the parent)
         _send(conn, ["fatal", f"{type(e).__name__}: {e}"])
@@ -215,6 +304,8 @@ def _worker_main(conn: mpc.Connection, lifeline: mpc.Connection, name: str) -> N
             value = fn(response, answer)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 msg = ["error", job, f"reward function returned {type(value).__name__}, expected a number"]
+            elif value == 0 and extract is not None and extract(response) is None:
+                msg = ["no_answer", job, 0.0]
             else:
                 msg = ["ok", job, float(value)]
         except Exception as e:  # noqa: BLE001  (any verifier failure is reward 0, counted)
@@ -271,9 +362,11 @@ class RewardPool:
         if start_method == "forkserver":
             # Workers fork from a server that has these imported (math_verify takes ~1 s), so a
             # replacement is ready quickly. The fork server is shared: the first pool sets this.
-            self._ctx.set_forkserver_preload(["qurl.rewards"] + (["math_verify"] if name != "arith" else []))
+            verifier = ["math_verify"] if name in MATH_VERIFY or name not in BUILTIN else []
+            self._ctx.set_forkserver_preload(["qurl.rewards", *verifier])
         self.counters = {
             "reward/scored": 0,
+            "reward/no_answer": 0,
             "reward/timeouts": 0,
             "reward/errors": 0,
             "reward/nan": 0,
@@ -383,6 +476,9 @@ class RewardPool:
             w.job = None
 
     def _result(self, kind: str, value: float | str) -> RewardResult:
+        if kind == "no_answer":
+            self.counters["reward/no_answer"] += 1
+            return RewardResult(0.0, "no_answer", f"no final answer {self.name!r} can read")
         if kind == "error":
             self.counters["reward/errors"] += 1
             return RewardResult(0.0, "error", str(value))

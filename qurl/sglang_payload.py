@@ -225,13 +225,24 @@ def group_address(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def open_update_group(master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl"):
-    """Join as rank 0 the group that replicas join with init_weights_update_group(rank_offset, world_size)."""
+def open_update_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "nccl",
+    timeout_s: float = 3600.0,
+):
+    """Join as rank 0 the group that replicas join with init_weights_update_group(rank_offset, world_size); wait up to
+    timeout_s for them (SGLang's default is 30 minutes)."""
+    from datetime import timedelta
+
     from sglang.srt.utils import init_custom_process_group
 
     return init_custom_process_group(
         backend=backend,
         init_method=f"tcp://{master_address}:{master_port}",
+        timeout=timedelta(seconds=timeout_s),
         world_size=world_size,
         rank=0,
         group_name=group_name,

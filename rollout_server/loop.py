@@ -16,7 +16,7 @@ import zmq
 from qurl import books, protocol
 from qurl.config import get, run_dir
 from qurl.data import Example, PromptDataset
-from qurl.evaluate import EvalSet
+from qurl.evaluate import EvalSet, eval_max_new_tokens
 from qurl.frames import ProtocolError
 from qurl.protocol import Status, TrajectoryGroup, WeightPush, WeightRef
 from qurl.rewards import RewardPool, RewardResult
@@ -184,7 +184,11 @@ class RolloutLoop:
         self.engine_name = get(cfg, "rollout.engine")
         self.draws = 0
         self.eval_set = eval_set
-        self.eval_sampling = dict(self.sampling, temperature=get(cfg, "eval.temperature"))
+        self.eval_sampling = dict(
+            self.sampling,
+            temperature=get(cfg, "eval.temperature"),
+            max_new_tokens=eval_max_new_tokens(cfg),
+        )
         self.eval_k = get(cfg, "eval.n_samples")
         self.eval_wanted: int | None = None  # version the learner asked to evaluate
         self.eval_run: EvalRun | None = None  # generating; weight pushes wait until it is done

@@ -307,6 +307,35 @@ def test_bad_rows_a_resume_from_scratch_and_a_reward_without_signal_are_said_on_
     assert "curves.png" in outputs and "hf/" in outputs
 
 
+def test_rewards_that_never_found_an_answer_are_said_on_the_console(tmp_path, capsys):
+    """All-zero rewards because no response had a final answer the reward reads (DAPO's `Answer: X` under a reward
+    that reads only boxes, before): a warning of its own, once, and summary.json's count."""
+    from qurl.launcher import ProgressBar
+    from qurl.report import no_answer_streak
+
+    path = tmp_path / "metrics.jsonl"
+
+    def step(i: int, no_answer: int, ok: int) -> dict:
+        return {"step": i, "reward/mean": 0.0, "reward/status_no_answer": no_answer, "reward/status_ok": ok}
+
+    rows = [step(1, 15, 1)] + [step(i, 16, 0) for i in range(2, 6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bar = ProgressBar(10, str(path), reward="math")
+    try:
+        bar.update()
+        assert "no response" not in capsys.readouterr().out  # 4 steps, and one answer was read before them
+        with path.open("a") as f:
+            f.write(json.dumps(step(6, 16, 0)) + "\n")
+        bar.update()
+        bar.update()
+        out = capsys.readouterr().out
+        assert out.count("WARNING: no response in the last 5 steps had an answer the reward could read") == 1, out
+        assert "reward.name=math (it reads \\boxed{X}, 'Answer: X'" in out, out
+    finally:
+        bar.close()
+    assert no_answer_streak(read_metrics(path)) == 5
+
+
 def test_the_progress_bar_keeps_the_reward_under_an_eval_row_and_never_runs_backwards(tmp_path):
     from qurl.launcher import ProgressBar
 

@@ -424,7 +424,7 @@ def full_weights(learner) -> dict[str, torch.Tensor]:
 
 
 def test_a_nan_loss_skips_the_update_and_the_next_batch_trains(in_process, batches):
-    from learner.buffer import collate
+    from learner.batch import collate
 
     learner = in_process("train.mini_batches=1")
     batch = collate(batches[0], learner.policy.pad_id)
@@ -442,7 +442,7 @@ def test_a_nan_loss_skips_the_update_and_the_next_batch_trains(in_process, batch
 
 
 def test_one_mini_batch_reuses_its_forward_as_the_proximal_policy(in_process, batches):
-    from learner.buffer import collate
+    from learner.batch import collate
 
     reused, separate = in_process("train.mini_batches=1"), in_process("train.mini_batches=1")
     separate.policy.dropout_free = False  # forces the separate no-grad proximal pass
@@ -473,7 +473,7 @@ def test_auto_precision_is_bf16_exactly_where_the_cpu_has_native_bf16(caplog):
 
 
 def test_bf16_mixed_precision_with_gradient_checkpointing_trains_fp32_masters(in_process, batches):
-    from learner.buffer import collate
+    from learner.batch import collate
 
     learner = in_process("train.precision=bf16", "model.gradient_checkpointing=true")
     before = full_weights(learner)
@@ -506,7 +506,8 @@ def toy_group(gid: str, rewards: list[float], version: int = 0, token: int = 5) 
 
 
 def test_buffer_counts_every_group_it_does_not_use():
-    from learner.buffer import TrajectoryBuffer, collate
+    from learner.batch import collate
+    from learner.buffer import TrajectoryBuffer
 
     ctx = zmq.Context()
     try:

@@ -13,7 +13,7 @@ import socket
 import pytest
 import torch
 
-from learner.buffer import Batch
+from learner.batch import Batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +67,7 @@ def one_rank_policy(config: str, overrides: list[str]):
 
 
 def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo_dir):
-    from learner.model import load_hf, token_logprobs
+    from learner.model import load_hf
     from qurl.algorithms import LossSpec, group_advantages, policy_loss
 
     cfg, policy = one_rank_policy(
@@ -98,7 +98,12 @@ def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo
     pos = torch.arange(start, end)
     mask = (pos >= batch.prompt_len[:, None]) & (pos < batch.total_len[:, None])
     advantages = group_advantages(batch.rewards, batch.group, estimator=cfg.algo.advantage)
-    logp = token_logprobs(plain, batch.input_ids[:, :end], start, cfg.rollout.sampling.temperature)
+    # the dense log-softmax over the whole vocabulary, as a reference for the learner's chunked head
+    logits = plain(input_ids=batch.input_ids[:, :end]).logits[:, start - 1 : end - 1].float()
+    logits = logits / cfg.rollout.sampling.temperature
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    logp = log_softmax.gather(-1, batch.input_ids[:, start:end, None]).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1).detach()
     spec = LossSpec(
         mode=cfg.algo.loss,
         eps_low=cfg.algo.eps_low,
@@ -118,16 +123,21 @@ def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo
     assert m["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
     for key in ("mismatch/kl_k3", "mismatch/rho_max", "actor/clipfrac"):
         assert m[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
-    for name, value in plain.state_dict().items():
-        if name in after:
-            torch.testing.assert_close(after[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert m["actor/entropy"] == pytest.approx((entropy * mask).sum().item() / mask.sum().item(), rel=1e-5)
+    grads = {n: p.grad.full_tensor() for n, p in policy.model.named_parameters()}
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
+        # AdamW's first step moves each weight by ~lr * sign(grad): a gradient at rounding level (a k_proj bias's is
+        # 0 in exact arithmetic) moves its weight by anything up to lr, so the update is compared where it is not
+        solid = param.grad.abs() > 1e-6
+        torch.testing.assert_close(after[name][solid], param.detach()[solid], rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.slow  # two SmolLM2 learner steps, 1-3 minutes: the default suite stays under 10 minutes
 def test_bucketed_micro_batches_take_the_padded_step(gloo_one_rank, real_dir):
     """Length-bucketed micro-batches on SmolLM2-135M: the same log-probs, loss, metrics and update as one padded
     micro-batch, with less padding."""
-    from learner.model import token_logprobs
+    from learner.logprobs import token_logprobs
     from learner.policy_step import _bucketed_rows, _micro_rows
 
     prompt = [30, 30, 40, 40, 200, 200, 210, 210]
@@ -135,7 +145,7 @@ def test_bucketed_micro_batches_take_the_padded_step(gloo_one_rank, real_dir):
     batch = random_batch(prompt, [p + r for p, r in zip(prompt, response)], [1.0, 0.0, 0.5, 0.0] * 2, 40000, 1)
     steps = {}
     for mode in ("padded", "bucketed"):
-        _, policy = one_rank_policy(
+        cfg, policy = one_rank_policy(
             "smollm2-gsm-cpu.yaml",
             [
                 f"model.path={real_dir / 'smollm2-135m-instruct'}",
@@ -146,12 +156,16 @@ def test_bucketed_micro_batches_take_the_padded_step(gloo_one_rank, real_dir):
             ],
         )
         every = torch.arange(len(batch.rewards))
-        cuts = _bucketed_rows(every, batch, policy.head_weight) if mode == "bucketed" else _micro_rows(every, batch)
+        budget = cfg.train.micro_batch_tokens
+        if mode == "bucketed":
+            cuts = _bucketed_rows(every, batch, policy.head_weight, budget)
+        else:
+            cuts = _micro_rows(every, batch, budget)
         rows = {}
         with torch.no_grad():
             for cut in cuts:
                 m = policy._micro(batch, torch.zeros(len(every)), cut)
-                logp = token_logprobs(policy.model, m.input_ids, m.start, 1.0)
+                logp = token_logprobs(policy.model, m.input_ids, m.start, 1.0).logp
                 rows.update((r, logp[k][m.mask[k]]) for k, r in enumerate(cut.tolist()))
         result = policy.step(batch, step=0)
         steps[mode] = (cuts, rows, result.metrics, {k: v.full_tensor() for k, v in policy.model.state_dict().items()})

@@ -236,6 +236,24 @@ def test_colocated_layout_shares_gpus_with_cuda_ipc():
     assert learner.gpus == [4, 5, 6, 7] and [s.gpus for s in servers] == [[4, 5], [6, 7]]
 
 
+@pytest.mark.parametrize("user", [{}, {"NCCL_CUMEM_ENABLE": "1"}])
+def test_nccl_runs_give_the_learner_and_every_server_one_nccl_setting(monkeypatch, user):
+    """SGLang sets NCCL_CUMEM_ENABLE=0 and NCCL_NVLS_ENABLE=0 in its processes where they are unset; the learner kept
+    NCCL's default, and broadcasts between the two then fail. Now every child gets the same values (the user's wins)."""
+    from qurl.launcher import build_children
+
+    for key in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in user.items():
+        monkeypatch.setenv(key, value)
+    learner, servers = build_children(cfg("sync.transport=nccl", path=DAPO), "c.yaml", "out", available_gpus=8)
+    want = {"NCCL_CUMEM_ENABLE": user.get("NCCL_CUMEM_ENABLE", "0"), "NCCL_NVLS_ENABLE": "0"}
+    for child in (learner, *servers):
+        assert {k: child.env.get(k) for k in want} == want, child.name
+    learner, servers = build_children(cfg(path=DAPO), "c.yaml", "out", available_gpus=8)  # zmq: left alone
+    assert "NCCL_NVLS_ENABLE" not in learner.env
+
+
 def test_torch_engine_refuses_tensor_parallelism():
     with pytest.raises(ConfigError, match="rollout.tp_size=2 needs rollout.engine=sglang"):
         plan(cfg("rollout.tp_size=2"))

@@ -17,10 +17,13 @@ from qurl.rewards import (
     RewardPool,
     RewardResult,
     arith_reward,
+    dapo_reward,
     gsm8k_final_answer,
     gsm8k_reward,
     last_boxed,
+    math_final_answer,
     math_reward,
+    minerva_normalize,
 )
 
 TESTS = Path(__file__).parent
@@ -179,7 +182,7 @@ def test_arith_refuses_non_integer_gold() -> None:
 @pytest.mark.parametrize(
     "name, match",
     [
-        ("nonsense", "allowed: math, arith"),
+        ("nonsense", "allowed: math, dapo, gsm8k, arith"),
         ("no_such_module_xyz:f", "cannot import"),
         ("reward_fns:missing", "cannot import"),
         ("reward_fns:not_callable", "not callable"),
@@ -245,8 +248,43 @@ def test_many_hangs_in_one_batch_still_bounded(pool: RewardPool) -> None:
 
 def test_spawn_pool_builtin_math() -> None:
     with RewardPool("math", workers=1, timeout_s=30.0, start_method="spawn") as p:
-        res = p.score([("\\boxed{\\frac{1}{2}}", "0.5"), ("\\boxed{2}", "3")])
-    assert [r.reward for r in res] == [1.0, 0.0]
+        res = p.score([("\\boxed{\\frac{1}{2}}", "0.5"), ("\\boxed{2}", "3"), ("I think it is 3", "3")])
+    assert [r.reward for r in res] == [1.0, 0.0, 0.0]
+    # a wrong answer is a wrong answer; a response with no final answer in a form math reads is told apart
+    assert [r.status for r in res] == ["ok", "ok", "no_answer"]
+    assert p.metrics()["reward/no_answer"] == 1
+
+
+@pytest.mark.parametrize(
+    "response, reward",
+    [
+        ("Step 1 ... step 9.\nAnswer: 34", 1.0),  # the last line DAPO's prompts ask for
+        ("answer: 34", 1.0),  # DAPO's pattern ignores case
+        ("Answer: 12\nI made a mistake.\nAnswer: 34", 1.0),  # the last one
+        ("Answer: $34$", 1.0),
+        ("Answer: 34 degrees", 1.0),  # Minerva's normalisation drops units
+        ("Answer: 3,400", 0.0),  # a different number
+        ("Answer: 35", 0.0),
+        ("... so it is \\boxed{34}", 1.0),  # no Answer: line: the box near the end
+        ("Answer: 34" + " padding" * 60, 0.0),  # only the last 300 characters are read
+        ("34", 0.0),
+    ],
+)
+def test_dapo_reads_the_last_answer_line_as_dapo_does(response: str, reward: float) -> None:
+    assert dapo_reward(response, "34") == reward
+
+
+def test_minerva_normalisation() -> None:
+    assert minerva_normalize("x = \\frac12") == "\\frac{1}{2}"
+    assert minerva_normalize("$1,234$") == "1234"
+    assert minerva_normalize("\\text{5 inches}") == "5"
+    assert minerva_normalize("90^\\circ") == "90"
+
+
+def test_math_reads_the_answer_line_too() -> None:
+    assert math_reward("Reasoning...\nAnswer: \\frac{4}{3}", "\\frac{4}{3}") == 1.0
+    assert math_reward("**Final Answer:** 12", "12") == 1.0
+    assert math_final_answer("the value is 12") is None
 
 
 def _descendants(pid: int) -> set[int]:

@@ -765,6 +765,20 @@ def test_learner_nccl_push_reaches_a_replica_through_sglang_distributed_receive(
     assert stats.bytes == sum(t.nbytes for t in pushed.values())
 
 
+@needs_sglang
+def test_the_nccl_group_waits_for_its_replicas_as_long_as_sync_group_timeout_s(sg, weight_hub):
+    """Learner rank 0 joins with SGLang's init_custom_process_group; its wait is sync.group_timeout_s (SGLang's own
+    default is 30 minutes, less than a first FP8 start may take): here 3 s with no replica, then a one-line error."""
+    from learner.push_transport import NcclPush
+
+    sender, _, _ = weight_hub
+    push = NcclPush(sender, "fp8-block", torch.device("cpu"), f"tcp://127.0.0.1:{_free_port()}", 1, 1, timeout_s=3.0)
+    started = time.monotonic()
+    with pytest.raises(Exception) as info:
+        push.open()
+    assert 2.5 < time.monotonic() - started < 60, info.value
+
+
 def _replica_main(spec_path: str, out_path: str) -> None:
     """Child side of the test above: subscribe, join the group with SGLang's WeightUpdater, receive per the ref."""
     import torch.distributed as dist

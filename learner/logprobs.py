@@ -1,0 +1,135 @@
+"""Token log-probs (and entropy) of a causal LM in memory bounded by a chunk, not by vocabulary x length.
+
+The lm_head projection, log-softmax and gather run over chunks of positions, so the fp32 logits of a whole
+micro-batch ([rows, positions, vocabulary]: 9.5 GB at 16k tokens of a 152k vocabulary) never exist at once; the
+backward recomputes each chunk's logits from the saved hidden states (one extra head matmul) instead of keeping
+them. Each chunk is computed exactly as the dense path would (the head's matmul in the model's dtype, then fp32,
+then / T), so values equal the dense ones within fp32 rounding.
+
+The chunked head replaces lm_head.forward for one call of the whole model, so that under FSDP2 the head runs
+inside the root module's forward, with its parameters unsharded and the root's backward hooks on its output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CHUNK_ELEMENTS = 1 << 26  # logits per chunk (256 MB in fp32); a few such buffers are the head's whole peak
+
+
+@dataclass
+class LogProbs:
+    """log softmax(logits / T) of each target token [rows, positions], and the policy's entropy there (or None)."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+def chunk_rows(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Positions per chunk: as many as fit chunk_elements logits, at least 1."""
+    return max(1, chunk_elements // vocab)
+
+
+class _ChunkedLogprob(torch.autograd.Function):
+    """logp[i] = log softmax(h[i] W^T / T)[t[i]] over chunks of rows; backward recomputes each chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, rows, entropy_out, shape):
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        out = torch.empty(shape, dtype=torch.float32, device=hidden.device)  # returned whole: not a view
+        logp = out.view(-1)
+        for s in range(0, hidden.shape[0], rows):
+            logits = _logits(hidden[s : s + rows], weight, temperature)
+            lse[s : s + rows] = torch.logsumexp(logits, dim=-1)
+            logp[s : s + rows] = logits.gather(-1, targets[s : s + rows, None]).squeeze(-1) - lse[s : s + rows]
+            if entropy_out is not None:  # H = lse - sum(p * logits), p = exp(logits - lse)
+                weighted = logits.sub(lse[s : s + rows, None]).exp_().mul_(logits).sum(-1)
+                entropy_out[s : s + rows] = lse[s : s + rows] - weighted
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad = grad.reshape(-1).float()
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, hidden.shape[0], ctx.rows):
+            h, g = hidden[s : s + ctx.rows], grad[s : s + ctx.rows, None]
+            # d logp / d logits = onehot(t) - softmax, times the incoming gradient, then / T (the forward's division)
+            d = _logits(h, weight, ctx.temperature).sub_(lse[s : s + ctx.rows, None]).exp_().mul_(-g)
+            d.scatter_add_(-1, targets[s : s + ctx.rows, None], g)
+            if ctx.temperature > 0 and ctx.temperature != 1:
+                d = d.div_(ctx.temperature)
+            d = d.to(weight.dtype)  # the dense path's grad enters the head matmul in the matmul's dtype too
+            if need_h:
+                grad_h[s : s + ctx.rows] = d @ weight
+            if need_w and d.dtype == torch.float32:
+                grad_w.addmm_(d.t(), h)
+            elif need_w:  # the chunk's product in the matmul's dtype, summed over chunks in fp32
+                grad_w.add_(d.t() @ h)
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """One chunk's logits as the dense path makes them: the head's matmul, then fp32, then / T (T = 0: unscaled;
+    T = 1 skips the division, which is exact)."""
+    logits = F.linear(hidden, weight).float()
+    return logits / temperature if temperature > 0 and temperature != 1 else logits
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> LogProbs:
+    """log softmax(hidden W^T / T) at `targets`: hidden [..., H], weight [V, H], targets [...] -> [...] fp32."""
+    shape = targets.shape
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1)
+    ent = torch.empty(flat_t.shape[0], dtype=torch.float32, device=hidden.device) if entropy else None
+    rows = chunk_rows(weight.shape[0], chunk_elements)
+    logp = _ChunkedLogprob.apply(flat_h, weight, flat_t, float(temperature), rows, ent, shape)
+    return LogProbs(logp, ent.view(shape) if ent is not None else None)
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    start: int,
+    temperature: float,
+    entropy: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> LogProbs:
+    """log softmax(logits / T) of tokens input_ids[:, start:], each predicted from its prefix: [B, T - start].
+
+    Right padding needs no attention mask: under the causal mask a real token never sees the pads after it. Only the
+    last T - start + 1 hidden states reach the head, which runs in chunks (chunked_logprobs) inside the model's own
+    forward. `entropy`: also the policy's entropy at each of those positions (no gradient).
+    """
+    if start < 1:
+        raise ValueError(f"token_logprobs needs start >= 1 (a token needs a prefix), got {start}")
+    head = model.get_output_embeddings()
+    targets = input_ids[:, start:]
+    side: dict[str, torch.Tensor | None] = {}
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:  # the last T - start + 1 positions of the final norm
+        out = chunked_logprobs(hidden[:, :-1], head.weight, targets, temperature, entropy, chunk_elements)
+        side["entropy"] = out.entropy
+        return out.logp  # the model returns it as .logits, so FSDP2's backward hooks see it
+
+    head.forward = forward
+    try:
+        logp = model(input_ids=input_ids, use_cache=False, logits_to_keep=targets.shape[1] + 1).logits
+    finally:
+        del head.forward
+    return LogProbs(logp, side["entropy"])
