@@ -33,6 +33,25 @@ def machine_info(**extra: str) -> dict:
     }
 
 
+# The GPU recipes' models' shapes (config.json of DeepSeek-R1-Distill-Qwen-1.5B and Qwen2.5-7B), layers left to the
+# benchmark: what grows with hidden size and vocabulary is measured at these, with fewer layers.
+QWEN2_15B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+)
+QWEN25_7B = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
+
 # The ~150M-parameter random Qwen2 that the CPU speed benchmarks share (hidden 1024, 8 layers).
 QWEN2_150M = dict(
     hidden_size=1024,

@@ -25,7 +25,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from qurl.report import _moving_mean, read_metrics  # noqa: E402
+from qurl.outputs.report import _moving_mean, read_metrics  # noqa: E402
 
 QURL_ASYNC = os.path.join(os.path.dirname(sys.executable), "qurl-async")
 DEMO_CONFIG = str(ROOT / "configs" / "demo-cpu.yaml")

@@ -19,25 +19,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, machine_info  # noqa: E402  (benchmarks/common.py)
+from common import QWEN2_15B, QWEN25_7B, emit, machine_info  # noqa: E402  (benchmarks/common.py)
 
 SHAPES = {  # name -> (config shapes, layers of the real model, the recipe's eval answer length and problems)
-    "1.5b": (
-        dict(
-            hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936
-        ),
-        28,
-        8192,
-        30,
-    ),
-    "7b": (
-        dict(
-            hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064
-        ),
-        28,
-        3072,
-        30,
-    ),
+    "1.5b": (QWEN2_15B, 28, 8192, 30),
+    "7b": (QWEN25_7B, 28, 3072, 30),
     "tiny": (
         dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
         4,

@@ -34,18 +34,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
-from common import machine_info  # noqa: E402  (benchmarks/common.py)
+import common  # noqa: E402  (benchmarks/common.py)
+from common import machine_info  # noqa: E402
 
-QWEN2_15B = dict(  # DeepSeek-R1-Distill-Qwen-1.5B's config.json (a Qwen2-1.5B)
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=16384,
-    tie_word_embeddings=False,
-)
+QWEN2_15B = dict(common.QWEN2_15B, num_hidden_layers=28, max_position_embeddings=16384)
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -56,7 +48,7 @@ TINY = dict(
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
-# step -> seconds it may take (full run; --tiny scales them down); they add up to under 8 minutes with the start
+# step -> seconds it may take; with the parity tests and the start they add up to under 8 minutes
 BUDGETS = {"logprob_memory": 120, "learner_step": 75, "decode": 75, "eval_time": 50}
 
 
@@ -245,13 +237,13 @@ STEPS = {
 }
 
 
-def run_steps(names: list[str], run, budget_s: float, scale: float, result: dict, out: str) -> None:
-    """Run each step under min(its budget x scale, what is left); record its figures, error or skip, and rewrite
+def run_steps(names: list[str], run, budget_s: float, result: dict, out: str) -> None:
+    """Run each step under min(its budget, what is left); record its figures, error or skip, and rewrite
     `out` after every step, so that a later failure loses nothing measured before it."""
     started = time.monotonic()
     for name in names:
         left = budget_s - (time.monotonic() - started)
-        limit = min(BUDGETS[name] * scale, left)
+        limit = min(BUDGETS[name], left)
         step_started = time.monotonic()
         if limit < 10:
             result["steps"][name] = {"skipped": f"{left:.0f} s of the check's budget left"}
@@ -294,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                 return {"error": (done.stderr.strip().splitlines() or ["(no output)"])[-1]}
             return json.loads(done.stdout.strip().splitlines()[-1])
 
-        run_steps(args.steps.split(","), run, args.budget_s, 0.5 if args.tiny else 1.0, result, args.out)
+        run_steps(args.steps.split(","), run, args.budget_s, result, args.out)
     result["seconds"] = round(time.monotonic() - started, 1)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -17,7 +17,7 @@ if [ "$DEVICE" = cuda ]; then
   check=(--device cuda --budget-s 320)
 else  # the rehearsal: one parity test per file and the tiny check
   tests=(tests/test_engine.py tests/test_engine_quant.py -k in_place)
-  check=(--device cpu --tiny --budget-s 200)
+  check=(--device cpu --tiny --budget-s 300)
 fi
 
 DEVICE="$DEVICE" "$PY" - <<'EOF2' 2>&1 | tee "$OUT/gpu_env.txt"

@@ -5,8 +5,8 @@ sglang.Engine (version 0 = the checkpoint, quantized by qurl.quant), generate gr
 greedy logprobs with a teacher-forced transformers forward of the weights the engine should hold, refit to other
 weights (version 1) and compare again, refit back (version 2) and require the version-0 greedy tokens, and refit
 while a request is running (its per-token versions must go 2 -> 3, in order). Then the learner-driven transports
-end to end (learner/push_transport.py in a spawned "learner rank 0" process, a real WeightSender and ControlPlane
-over ZeroMQ, the server's rollout_server.weight_refs.apply_ref here): cuda-ipc (every scheme; on one GPU the
+end to end (learner/weight_sync's transports in a spawned "learner rank 0" process, a real WeightSync over ZeroMQ,
+the server's rollout_server.weight_receiver.WeightReceiver here): cuda-ipc (every scheme; on one GPU the
 learner shares the engine's GPU, i.e. colocated; on CPU the buffers are shared by file descriptor) and nccl
 (none and fp8-block, with 2+ GPUs; over gloo on CPU).
 
@@ -29,8 +29,8 @@ import time
 import torch
 import transformers
 
-from qurl import sglang_payload as payload
 from qurl.quant import dequantize_state_dict, quantize_state_dict
+from qurl.wire import sglang_payload as payload
 from rollout_server.engines import GenRequest
 from rollout_server.engines.sglang_engine import SGLangEngine, expected_tensors
 
@@ -100,11 +100,9 @@ def learner_push(kind, endpoint, group_port, weights_path, scheme, version, done
     """Learner rank 0 (the last GPU, or the CPU): the real push transport publishes `version`, stays up until told."""
     import zmq
 
-    from learner.budget import Budget
-    from learner.control_plane import ControlPlane
-    from learner.push_transport import IpcPush, NcclPush
-    from learner.weight_sender import WeightSender
-    from qurl import transport
+    from learner.servers import ServerRegistry
+    from learner.weight_sync import IpcTransport, NcclTransport, WeightSync
+    from qurl.wire import transport
 
     if device_kind == "cuda":
         torch.cuda.set_device(torch.cuda.device_count() - 1)
@@ -112,24 +110,18 @@ def learner_push(kind, endpoint, group_port, weights_path, scheme, version, done
     else:
         device = torch.device("cpu")
     ctx = zmq.Context()
-    pub = transport.bind(ctx, zmq.PUB, endpoint, secret=None, max_bytes=1 << 20, hwm=4)
-    router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-    plane = ControlPlane(
-        transport.Sender(pub, "learner"),
-        transport.Receiver(router, secret=None, max_bytes=1 << 20),
-        transport.Sender(router, "learner"),
-        budget=Budget(0, 1, lambda: (0, {})),
-    )
-    sender = WeightSender(plane, scheme)
+    pub = transport.Sender(transport.bind(ctx, zmq.PUB, endpoint, secret=None, max_bytes=1 << 20, hwm=4), "learner")
+    servers = ServerRegistry()
     if kind == "nccl":
-        push = NcclPush(
-            sender, scheme, device, f"tcp://127.0.0.1:{group_port}", replicas=1, tp_size=1, bucket_bytes=1 << 20
-        )
+        push = NcclTransport(pub, scheme, device, f"tcp://127.0.0.1:{group_port}", 1, 1, bucket_bytes=1 << 20)
         push.open()
     else:
-        push = IpcPush(sender, scheme, device, ranks=1, bucket_bytes=1 << 20)
+        push = IpcTransport(pub, scheme, device, ranks=1, servers=servers, bucket_bytes=1 << 20)
+    sync = WeightSync(push, servers, scheme)
     time.sleep(1.0)  # PUB/SUB: the server's subscription lands
-    push.publish(version, torch.load(weights_path))
+    sync.push(version, torch.load(weights_path))
+    if kind == "nccl":
+        push.drain()
     deadline = time.time() + 300
     while not os.path.exists(done_path) and time.time() < deadline:  # the IPC buffers must outlive the load
         time.sleep(0.1)
@@ -140,8 +132,8 @@ def transport_check(eng, kind, scheme, weights, version, greedy, expect_tokens, 
     """Push `weights` as `version` through transport `kind`; the greedy tokens must be expect_tokens."""
     import zmq
 
-    from qurl import transport
-    from rollout_server.weight_refs import apply_ref
+    from qurl.wire import transport
+    from rollout_server.weight_receiver import WeightReceiver
 
     tmp = tempfile.mkdtemp()
     weights_path, done = os.path.join(tmp, "w.pt"), os.path.join(tmp, "done")
@@ -169,7 +161,9 @@ def transport_check(eng, kind, scheme, weights, version, greedy, expect_tokens, 
         if ref is None:
             raise RuntimeError(f"{kind}: no weight_ref arrived within 120 s")
         t0 = time.perf_counter()
-        apply_ref(eng, ref, 0)
+        receiver = WeightReceiver(eng, scheme, lambda: None)
+        if not receiver.apply([ref]):
+            raise RuntimeError(f"{kind}: the weight_ref of version {version} was refused (see the log)")
         row[f"{key}_refit_s"] = round(time.perf_counter() - t0, 3)
         s = eng.generate([greedy])[0].samples[0]
         row[f"{key}_tokens_equal"] = s.token_ids == expect_tokens and all(v == version for v in s.versions)

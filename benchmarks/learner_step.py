@@ -31,9 +31,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import QWEN2_150M, emit, machine_info  # noqa: E402  (benchmarks/common.py)
 
-from qurl import transport  # noqa: E402
 from qurl.demo.prepare import Recipe, default_root, read_info  # noqa: E402
-from qurl.protocol import Sample, Status, TrajectoryGroup  # noqa: E402
+from qurl.wire import transport  # noqa: E402
+from qurl.wire.protocol import Sample, Status, TrajectoryGroup  # noqa: E402
 
 LARGE = dict(QWEN2_150M, tie_word_embeddings=False)
 TINY = dict(

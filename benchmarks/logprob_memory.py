@@ -25,18 +25,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import emit, machine_info  # noqa: E402  (benchmarks/common.py)
+from common import QWEN25_7B, emit, machine_info  # noqa: E402  (benchmarks/common.py)
 
 from learner.logprobs import CHUNK_ELEMENTS, chunked_logprobs, token_logprobs  # noqa: E402
 
-QWEN25_7B = dict(  # Qwen2.5-7B's shapes (config.json of Qwen/Qwen2.5-7B), with fewer layers
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    vocab_size=152064,
-    tie_word_embeddings=False,
-)
 QUICK = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
 ROWS = 4  # rows per micro-batch: tokens / 4 positions each (DAPO: prompt <= 1024 + response <= 3072)
 DENSE_COPIES = 3  # fp32 [tokens, vocabulary] buffers the dense head holds at once (logits and two temporaries)

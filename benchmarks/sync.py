@@ -1,14 +1,15 @@
-"""Weight-sync benchmark: full INT8 pushes against delta pushes (qurl/delta.py) after real AdamW steps.
+"""Weight-sync benchmark: full INT8 pushes against delta pushes (qurl/wire/delta.py) after real AdamW steps.
 
 For the demo model (its learning rate, 1.5e-4) and a ~160M random Qwen2 (hidden 1024, 8 layers, untied, as in
 rollout_throughput.py; learning rate 1e-6, an RL fine-tuning rate), with invariant scaling s=1, 1.5 and 2 (q/k/v):
 train with AdamW on next-token loss over the demo's arithmetic text, build after each step the engine's tensors as
-the learner does (learner/publisher.py: int8 codes, the rest in the engine's dtype, per --engine-dtypes), and per
+the learner does (learner/weight_sync/tensors.py: int8 codes, the rest in the engine's dtype, per
+--engine-dtypes), and per
 push and engine dtype report the share of int8 codes that changed, wire bytes of the full and the delta push (all
 tensors, and the codes + scales alone), of the push as it was before issue 20 (`codes_only_`: deltas of the codes
 and scales only, every other tensor whole) side by side, encode seconds (diff, checksum, protocol encode) and apply
 seconds (decode, checks, in-place apply into a TorchEngine of that dtype, checksum). Summary rows give medians and
-the mean bytes per push when every full_every-th push is full. Checksum rows time CRC-32 (what qurl.delta uses)
+the mean bytes per push when every full_every-th push is full. Checksum rows time CRC-32 (what qurl.wire.delta uses)
 against blake2b on the same tensors (a bf16 engine's push).
 
     python benchmarks/sync.py [--quick] [--threads 1] [--pushes N] [--engine-dtypes float32,bfloat16] [--out FILE]
@@ -33,12 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import QWEN2_150M, emit, machine_info  # noqa: E402  (benchmarks/common.py)
 
-from learner.publisher import engine_tensors  # noqa: E402
-from qurl import delta  # noqa: E402
-from qurl.frames import from_torch  # noqa: E402
-from qurl.protocol import WeightPush, decode, encode  # noqa: E402
+from learner.weight_sync.tensors import engine_tensors  # noqa: E402
 from qurl.quant import CODE_DTYPES, SCALE_SUFFIXES  # noqa: E402
 from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
+from qurl.wire import delta  # noqa: E402
+from qurl.wire.frames import from_torch  # noqa: E402
+from qurl.wire.protocol import WeightPush, decode, encode  # noqa: E402
 from rollout_server.engines import load_engine  # noqa: E402
 
 LARGE = QWEN2_150M
@@ -260,7 +261,7 @@ def scaling_ratios(rows: list[dict]) -> dict[str, float]:
 
 
 def checksum_rows(model_name: str, path: str, repeats: int = 3) -> list[dict]:
-    """Seconds to checksum a bf16 engine's int8 push (every tensor): CRC-32 (qurl.delta) against blake2b."""
+    """Seconds to checksum a bf16 engine's int8 push (every tensor): CRC-32 (qurl.wire.delta) against blake2b."""
     state = {k: v for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()}
     q = engine_tensors(state, "int8", 8, torch.bfloat16, tied=False)
     checked = {k: q[k] for k in delta.checked_names(q)}
@@ -280,7 +281,7 @@ def checksum_rows(model_name: str, path: str, repeats: int = 3) -> list[dict]:
 
     out = []
     for name, fn in (
-        ("qurl.delta.checksum", lambda: delta.checksum(checked)),
+        ("qurl.wire.delta.checksum", lambda: delta.checksum(checked)),
         ("crc32", crc_only),
         ("blake2b-128", blake),
     ):

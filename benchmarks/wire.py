@@ -1,4 +1,4 @@
-"""Wire benchmark: what qurl.protocol costs over raw ZeroMQ on tcp loopback.
+"""Wire benchmark: what qurl.wire.protocol costs over raw ZeroMQ on tcp loopback.
 
 Rows: trajectory groups (8 samples x 256 tokens) per second, and weight-push MB/s for a ~156M
 parameter Qwen2-shaped int8 state dict (hidden 1024, 8 layers, 16 heads / 4 kv heads,
@@ -23,9 +23,9 @@ import torch
 import zmq
 from common import emit, machine_info  # benchmarks/common.py
 
-from qurl import protocol, transport
-from qurl.frames import ReplayGuard, from_torch
-from qurl.protocol import Sample, TrajectoryGroup, WeightPush, WireTensor
+from qurl.wire import protocol, transport
+from qurl.wire.frames import ReplayGuard, from_torch
+from qurl.wire.protocol import Sample, TrajectoryGroup, WeightPush, WireTensor
 
 SECRET = b"wire-benchmark-secret"
 MAX_BYTES = 1 << 31

@@ -1,1 +1,1 @@
-"""Learner: the training loop (trainer.py) over the hub, policy step, publisher, control plane, checkpoints."""
+"""Learner: the training loop (trainer.py) over the hub, policy step, weight sync, control plane, checkpoints."""

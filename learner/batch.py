@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from qurl.protocol import TrajectoryGroup
+from qurl.wire.protocol import TrajectoryGroup
 
 
 @dataclass

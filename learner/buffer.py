@@ -12,8 +12,8 @@ import torch
 
 from learner.batch import min_version
 from qurl.algorithms import filter_groups
-from qurl.protocol import TrajectoryGroup
-from qurl.transport import Receiver
+from qurl.wire.protocol import TrajectoryGroup
+from qurl.wire.transport import Receiver
 
 log = logging.getLogger("learner")
 

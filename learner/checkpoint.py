@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from qurl import checkpoint_files
-from qurl.checkpoint_files import FORMAT, step_dirs
+from qurl.outputs import checkpoint_files
+from qurl.outputs.checkpoint_files import FORMAT, step_dirs
 from qurl.quant.invariant_scaling import remove_invariant_scaling
 
 _WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt)$|.*\.index\.json$|^config\.json$")

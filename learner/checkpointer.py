@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from learner import checkpoint
 from learner.errors import NonFiniteWeights, StartError, all_started
-from qurl import books
-from qurl.report import write_summary
+from qurl.outputs import books
+from qurl.outputs.report import write_summary
 
 log = logging.getLogger("learner")
 

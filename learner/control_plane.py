@@ -1,11 +1,10 @@
-"""The control plane (rank 0): the rollout servers' hello / heartbeat / bye on the ROUTER socket, the server
-registry, the staleness budget's grants, evaluation routing, and the repush policy that keeps every server, late
-or restarted, on the current weights.
+"""The control plane (rank 0): the rollout servers' hello / heartbeat / bye on the ROUTER socket, the server registry
+(learner/servers.py), the staleness budget's grants and evaluation routing.
 
-A server that lags, restarts or finds a checksum mismatch asks (or is seen to lag) and gets the whole current
-version again (learner/weight_sender.py builds what goes out). The control channel is served by a thread so that
-heartbeats are answered during long train steps; the PUB socket is shared with it under a lock (a lock is the
-full memory barrier zmq asks for).
+It answers each server with the version the weight sync holds (`weights.version`) and the server's grant, and hands
+every hello, heartbeat and request to the weight sync (`weights.on_status`), which may resend the current version
+to that server alone, over this socket. The control channel is served by a thread so that heartbeats are answered
+during long train steps; its socket is used under a lock.
 """
 
 from __future__ import annotations
@@ -13,51 +12,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
 from learner.budget import SERVER_GONE_S, Budget
-from qurl import books
-from qurl.protocol import Status, WeightPush, WeightRef
-from qurl.transport import Receiver, Sender
+from learner.servers import ServerInfo, ServerRegistry
+from qurl.outputs import books
+from qurl.wire.protocol import Status
+from qurl.wire.transport import Receiver, Sender
 
 log = logging.getLogger("learner")
 
-REPUSH_INTERVAL_S = 2.0  # a lagging server gets the current weights again at most this often
-LAG_GRACE_S = 5.0  # a heartbeat may lag this long after a push (in flight, being applied) before a full repush
 POLL_MS = 100
 
 
-@dataclass
-class ServerInfo:
-    """What the last hello / heartbeat of one server said."""
-
-    version: int
-    running: int
-    queued: int
-    seen: float
-    counters: dict = field(default_factory=dict)
-    repushed_at: float = -float("inf")
-
-
 class ControlPlane:
-    """Answers hello / heartbeat with (version, the server's grant), routes evaluations, repushes to laggards."""
+    """Answers hello / heartbeat with (version, the server's grant), routes evaluations, reports to the weight sync."""
 
-    def __init__(self, pub: Sender, control: Receiver, control_tx: Sender, budget: Budget, version: int = 0) -> None:
-        self.pub = pub
+    def __init__(
+        self, control: Receiver, control_tx: Sender, budget: Budget, servers: ServerRegistry, weights: Any
+    ) -> None:
         self.control = control
         self.control_tx = control_tx
         self.budget = budget  # the global staleness budget, granted per server
-        self.version = version
-        self.servers: dict[str, ServerInfo] = {}
-        self.reports: dict[str, dict] = {}  # server id -> its last book counters (qurl.books), kept after its bye
+        self.servers = servers
+        self.weights = weights  # learner/weight_sync: .version, .on_status(kind, info, now, send_to)
+        self.reports: dict[str, dict] = {}  # server id -> its last book counters (qurl.outputs.books), kept after bye
         self.life = 1  # the learner life (1 + resumes) the reports are stamped with
-        self.pushes = 0
-        self.repushes = 0
-        # the current version, whole (or its cuda-ipc WeightRef): what lagging servers get; None: nothing to re-send
-        self._full: WeightPush | WeightRef | None = None
-        self._built_at = -float("inf")  # monotonic time the current version was built
         self._eval_wanted: int | None = None  # handed to the next server that checks in
         self._eval_holder: tuple[str, int] | None = None  # (server id, version) asked and not answered yet
         self._eval_results: list[tuple[int, dict]] = []
@@ -73,36 +55,6 @@ class ControlPlane:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def adopt(self, version: int, current: WeightPush | WeightRef | None) -> None:
-        """`version` is the learner's now; `current` (its whole push, None: nothing) is what lagging servers get."""
-        with self._lock:
-            self._full, self.version, self._built_at = current, version, time.monotonic()
-
-    def send(self, msg: WeightPush | WeightRef) -> None:
-        """Publish one weight message to every server."""
-        with self._lock:
-            self.pub.send(msg)
-            self.pushes += 1
-
-    def announce(self, version: int, ref: WeightRef, repush: bool) -> None:
-        """Adopt and publish a WeightRef at once; repush=False: lagging servers get nothing again."""
-        with self._lock:
-            self._full, self.version, self._built_at = (ref if repush else None), version, time.monotonic()
-            self.pub.send(ref)
-            self.pushes += 1
-
-    def wait_applied(self, version: int, timeout_s: float) -> list[str]:
-        """Wait until every server heard from lately reports `version` or newer; return those still behind."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            now = time.monotonic()
-            behind = [
-                sid for sid, s in list(self.servers.items()) if now - s.seen < SERVER_GONE_S and s.version < version
-            ]
-            if not behind or now >= deadline:
-                return behind
-            time.sleep(0.05)
-
     def request_eval(self, version: int) -> None:
         """Ask one rollout server to evaluate `version` (or newer) with its quantized engine."""
         with self._lock:
@@ -113,16 +65,6 @@ class ControlPlane:
         with self._lock:
             out, self._eval_results = self._eval_results, []
         return out
-
-    def status_line(self) -> str:
-        """'rollout-0-123 v3 running 8 queued 2, ...' for the servers heard from recently."""
-        now = time.monotonic()
-        live = [(sid, s) for sid, s in list(self.servers.items()) if now - s.seen < SERVER_GONE_S]
-        if not live:
-            return (
-                "no rollout server has said hello yet" if not self.servers else "no rollout server heard from for 30 s"
-            )
-        return ", ".join(f"{sid} v{s.version} running {s.running} queued {s.queued}" for sid, s in live)
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -150,6 +92,15 @@ class ControlPlane:
             if self._eval_wanted is None or self._eval_wanted < version:
                 self._eval_wanted = version
         log.warning("rollout server %s left before evaluating version %d: asking the next one", server_id, version)
+
+    def _send_to(self, ident: bytes, msg: object) -> bool:
+        """One message to one server; False when its queue is full (it is gone or not reading)."""
+        with self._lock:
+            try:
+                self.control_tx.send(msg, to=ident, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+        return True
 
     def _answer(self, ident: bytes, msg: Status) -> None:
         now = time.monotonic()
@@ -189,30 +140,14 @@ class ControlPlane:
         if msg.type != "resend_weights":
             info.version, info.running, info.queued, info.seen = msg.version, msg.running, msg.queued, now
             info.counters = dict(msg.counters)
-        with self._lock:
-            version, push = self.version, self._full
+        version = self.weights.version
         grant = self.budget.grant(msg.server_id, version, info.version, info.counters, now)
+        self._send_to(ident, Status(type="reply", server_id=msg.server_id, version=version, budget=grant))
         with self._lock:
-            reply = Status(type="reply", server_id=msg.server_id, version=version, budget=grant)
-            try:
-                self.control_tx.send(reply, to=ident, flags=zmq.NOBLOCK)
-            except zmq.Again:  # the server is gone or not reading; its next heartbeat gets an answer
-                pass
-            if self._eval_wanted is not None and msg.type in ("hello", "heartbeat"):
-                request = Status(type="eval_request", server_id=msg.server_id, version=self._eval_wanted)
-                try:
-                    self.control_tx.send(request, to=ident, flags=zmq.NOBLOCK)
-                    self._eval_holder, self._eval_wanted = (msg.server_id, self._eval_wanted), None
-                except zmq.Again:
-                    pass
-            # a heartbeat sent before the newest push arrived is not yet lagging: a full repush would undo a
-            # delta's savings
-            lagging = (
-                msg.type == "resend_weights"
-                or msg.version < version
-                and (msg.type == "hello" or now - self._built_at >= LAG_GRACE_S)
-            )
-            if push is not None and lagging and now - info.repushed_at >= REPUSH_INTERVAL_S:
-                info.repushed_at = now
-                self.pub.send(push)
-                self.repushes += 1
+            wanted = self._eval_wanted if msg.type in ("hello", "heartbeat") else None
+        if wanted is not None and self._send_to(
+            ident, Status(type="eval_request", server_id=msg.server_id, version=wanted)
+        ):
+            with self._lock:
+                self._eval_holder, self._eval_wanted = (msg.server_id, wanted), None
+        self.weights.on_status(msg.type, info, now, lambda weights: self._send_to(ident, weights))

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from learner.control_plane import ControlPlane
 from qurl.config import get
 from qurl.evaluate import EvalSet, avg_at_k, eval_max_new_tokens, hf_greedy, load_eval_set
-from qurl.metrics import MetricsLogger
+from qurl.outputs.metrics import MetricsLogger
 from qurl.rewards import RewardPool
 
 log = logging.getLogger("learner")

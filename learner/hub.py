@@ -25,8 +25,10 @@ from learner.buffer import TrajectoryBuffer
 from learner.control_plane import ControlPlane
 from learner.errors import StartError, first_line
 from learner.policy_step import DistEnv
-from qurl import transport
-from qurl.protocol import CONTROL_MAX_BYTES, TRAJECTORY_MAX_BYTES
+from learner.servers import ServerRegistry
+from learner.weight_sync import WeightSync
+from qurl.wire import transport
+from qurl.wire.protocol import CONTROL_MAX_BYTES, TRAJECTORY_MAX_BYTES
 
 log = logging.getLogger("learner")
 
@@ -48,11 +50,19 @@ class Hub:
         self.timed_out = False  # no group arrived for async.wait_timeout_s
         self.ctx: zmq.Context | None = None
         self.buffer: TrajectoryBuffer | None = None
+        self.servers = ServerRegistry()
         self.plane: ControlPlane | None = None
         self._tokens_mark = 0
 
-    def open(self, transport_cfg: DictConfig, dynamic_sampling: bool, vocab_size: int) -> None:
-        """Rank 0 binds PULL (trajectories), PUB (weights) and ROUTER (control); `auto` picks free loopback ports."""
+    def open(
+        self,
+        transport_cfg: DictConfig,
+        dynamic_sampling: bool,
+        vocab_size: int,
+        make_weights: Callable[[transport.Sender, ServerRegistry], WeightSync],
+    ) -> WeightSync:
+        """Rank 0 binds PULL (trajectories), PUB (weights) and ROUTER (control); `auto` picks free loopback ports.
+        make_weights(pub, servers) builds the weight sync over the PUB socket; the control plane reports to it."""
         secret = transport_cfg.secret.encode() if transport_cfg.secret else None
         self.ctx = zmq.Context()
         socks = {}
@@ -81,12 +91,15 @@ class Hub:
             dynamic_sampling=dynamic_sampling,
             vocab_size=vocab_size,
         )
+        weights = make_weights(transport.Sender(socks["weights"], sender_id, secret=secret), self.servers)
         self.plane = ControlPlane(
-            transport.Sender(socks["weights"], sender_id, secret=secret),
             transport.Receiver(socks["control"], secret=secret, max_bytes=CONTROL_MAX_BYTES, kinds=("status",)),
             transport.Sender(socks["control"], sender_id, secret=secret),
             Budget(max_staleness, self.batch_prompts, self.buffer.snapshot),
+            self.servers,
+            weights,
         )
+        return weights
 
     def restore(self, buffer_state: dict, reports: dict) -> None:
         """Rank 0, on resume: the buffer's counters and the servers' last reports as the checkpoint holds them."""
@@ -96,7 +109,7 @@ class Hub:
         self._tokens_mark = self.buffer.response_tokens
 
     def ledger(self) -> dict:
-        """Rank 0's side of the run's books (qurl.books): buffer and wire counters, the servers' last reports."""
+        """Rank 0's side of the run's books (qurl.outputs.books): buffer and wire counters, servers' last reports."""
         return {"buffer": self.buffer.counters(), "reports": dict(self.plane.reports)}
 
     def next_batch(self, version: int, stop_requested: Callable[[], bool]) -> tuple[Batch | None, dict]:
@@ -130,7 +143,7 @@ class Hub:
                         dropped["stale"],
                         dropped["filter"],
                         dropped["invalid"],
-                        self.plane.status_line(),
+                        self.servers.status_line(),
                     )
             dist.broadcast(header, src=0)
             if header[0].item() == WAIT:
@@ -171,12 +184,11 @@ class Hub:
             "buffer/dropped_filter": self.buffer.dropped["filter"],
             "buffer/dropped_invalid": self.buffer.dropped["invalid"],
             "buffer/bad_messages": sum(self.buffer.receiver.rejected.values()),
-            "sync/repushes": self.plane.repushes,
             **self.plane.budget.take_window(version),
         }
         info.update({f"reward/status_{k}": v for k, v in statuses.items()})
         server_totals: Counter = Counter()
-        for server in list(self.plane.servers.values()):
+        for server in list(self.servers.values()):
             server_totals.update({k: v for k, v in server.counters.items() if isinstance(v, (int, float))})
         info.update({f"servers/{k}": v for k, v in server_totals.items()})
         return info

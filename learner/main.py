@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from omegaconf import DictConfig
 
-from qurl.cli import EXIT_DIVERGED, EXIT_INPUT, die_with_parent, parse
+from qurl.supervisor.cli import EXIT_DIVERGED, EXIT_INPUT, die_with_parent, parse
 
 PROG = "qurl-learner"
 INIT_ENV = "QURL_LEARNER_INIT"  # set by _spawn / main for locally started ranks

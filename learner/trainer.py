@@ -3,8 +3,9 @@ top to bottom; each stage is a component that owns it:
 
     learner/hub.py           rank 0's sockets and the batch broadcast to every rank
     learner/policy_step.py   micro-batches, advantages, loss, optimizer, learning rate
-    learner/publisher.py     quantize what the engine loads, push it (learner/push_transport.py)
-    learner/control_plane.py the rollout servers: hello / heartbeat / bye, grants, eval routing, repushes
+    learner/weight_sync/     the weight push: what the engine loads, quantized on the device, whole or as a delta,
+                             through one transport; the version the servers are to hold; resends to laggards
+    learner/control_plane.py the rollout servers: hello / heartbeat / bye, grants, eval routing
     learner/evaluation.py    eval/acc_fp here, eval/acc_quant from a server
     learner/checkpointer.py  checkpoints, resume, the books ledger, hf/, summary.json
 
@@ -23,20 +24,19 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from learner import checkpoint, push_transport
+from learner import checkpoint, weight_sync
 from learner.checkpointer import Checkpointer, TrainState
 from learner.errors import StartError, all_started, first_line
 from learner.evaluation import Evaluation, FpEvaluator, acc_fp_mode
 from learner.hub import Hub
 from learner.model import build_policy, invariant_scaling
 from learner.policy_step import DistEnv, PolicyStep
-from learner.publisher import Publisher
-from learner.weight_sender import WeightSender
-from qurl import run_folder
+from learner.weight_sync.tensors import gather_engine_tensors
 from qurl.config import run_dir, to_yaml
 from qurl.data import DatasetError
-from qurl.metrics import MetricsLogger
+from qurl.outputs.metrics import MetricsLogger
 from qurl.quant import scheme_for
+from qurl.supervisor import run_folder
 
 log = logging.getLogger("learner")
 
@@ -75,11 +75,13 @@ class Learner:
         all_started(problem, self.is_main)
         self.policy = PolicyStep(model, reference, cfg.train, cfg.algo, cfg.rollout.sampling, env)
         self.scheme = scheme_for(cfg.rollout.quant, cfg.quant.fp8_granularity)
+        self.engine_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.rollout.dtype]
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.state = TrainState()
         self.drift_checked = False  # the first batch of this learner life is checked against algo.drift_kl_threshold
         self.ckpt = Checkpointer(self.run_dir, cfg.checkpoint, cfg.model.path, cfg.train.lr, self.is_main)
         self.hub = Hub(env, self.policy.pad_id, cfg.train.batch_prompts, cfg.async_, cfg.log.interval_s)
-        evaluator, self.publisher, self.metrics = None, None, None
+        evaluator, self.weight_sync, self.metrics = None, None, None
         problem = None
         if self.is_main:
             try:
@@ -108,15 +110,15 @@ class Learner:
             raise StartError(
                 f"{self.run_dir} already holds a run; pass run.resume=true to continue it, or choose another run.dir"
             )
-        self.hub.open(cfg.transport, cfg.algo.dynamic_sampling, int(model.config.vocab_size))
-        sender = WeightSender(self.hub.plane, self.scheme, full_every=cfg.sync.full_every)
         try:  # nccl: blocks until every rollout replica has joined the weight-update group
-            pusher = push_transport.build(cfg, sender, self.scheme, self.env.device)
+            self.weight_sync = self.hub.open(
+                cfg.transport,
+                cfg.algo.dynamic_sampling,
+                int(model.config.vocab_size),
+                lambda pub, servers: weight_sync.build(cfg, pub, servers, self.scheme, self.env.device),
+            )
         except (ValueError, RuntimeError) as exc:
             raise StartError(f"sync.transport={cfg.sync.transport}: {first_line(exc)}") from None
-        engine_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.rollout.dtype]
-        tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        self.publisher = Publisher(sender, pusher, self.scheme, cfg.quant.weight_bits, engine_dtype, tied)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -132,10 +134,10 @@ class Learner:
             result = self.policy.step(batch, self.state.step)
             self.state.step += 1
             self.state.skipped_updates += result.skipped
-            sync = {"sync/seconds": 0.0, "sync/bytes": 0, "sync/changed_frac": 0.0}
+            sync = self.weight_sync.metrics() if self.is_main else {}
             if result.updated:
                 self.state.version += 1
-                sync = self._publish()
+                sync = self._push()
             if self.is_main:
                 last_mark = self._log_step(dict(result.metrics, **info, **sync), started, last_mark)
             if self.ckpt.due(self.state.step):
@@ -148,7 +150,7 @@ class Learner:
                     "no trajectory group arrived for %.0f s (async.wait_timeout_s); servers: %s; stopping at "
                     "step %d (checkpointed), resume with run.resume=true",
                     self.cfg.async_.wait_timeout_s,
-                    self.hub.plane.status_line(),
+                    self.hub.servers.status_line(),
                     self.state.step,
                 )
             return 1
@@ -188,22 +190,30 @@ class Learner:
                 config=OmegaConf.to_container(cfg, resolve=True),
                 resume_step=self.state.step if cfg.run.resume else -1,
             )
-            self.hub.plane.version = self.state.version
+            self.weight_sync.start(self.state.version)
             self.hub.plane.start()
-        self._publish(publish=self.state.version > 0)
+        self._push(send=self.state.version > 0)
 
-    def _publish(self, publish: bool = True) -> dict:
-        """Collective: gather full weights to rank 0, start their evaluation when due, quantize, publish
-        (publish=False: only remember the codes); an inline evaluation holds every rank until it is done."""
+    def _push(self, send: bool = True) -> dict:
+        """Collective: the weights as the engine loads them, gathered and quantized on the device, to rank 0, which
+        pushes them (send=False: the version the servers start from) and starts their evaluation when due (on the full
+        fp32 weights, gathered for it alone); an inline evaluation holds every rank until it is done."""
         started = time.perf_counter()
-        self.ckpt.require_finite(self.policy.model, self.state.step)
-        state = checkpoint.full_state_dict(self.policy.model)
+        model = self.policy.model
+        self.ckpt.require_finite(model, self.state.step)
+        state = checkpoint.full_state_dict(model) if self.evaluation.due(self.state.step) else {}
+        tensors = gather_engine_tensors(
+            model, self.scheme, self.cfg.quant.weight_bits, self.engine_dtype, self.tied, self.is_main
+        )
         sync = {}
         if self.is_main:
             gathered_s = time.perf_counter() - started
-            if self.evaluation.due(self.state.step):  # loads the weights now, generates in its own thread
+            if state:
                 self.evaluation.start(state, self.state.version)  # not part of sync/seconds
-            sync = self.publisher.push(state, self.state.version, publish, gathered_s)
+            if send:
+                sync = self.weight_sync.push(self.state.version, tensors, gathered_s)
+            else:
+                self.weight_sync.start(self.state.version, tensors)
         self.evaluation.hold(self.state.step, self.metrics)
         return sync
 

@@ -160,6 +160,7 @@ class SyncConfig:
     # nccl: how long learner rank 0 waits for every replica to join (and a broadcast for its receivers); longer than
     # the slowest server start: a first FP8 start on SM90 compiles DeepGEMM kernels for 10-20 minutes
     group_timeout_s: float = 3600.0
+    buckets_in_flight: int = 2  # nccl: flattened buckets (256 MB each) queued on learner rank 0's GPU at once
 
 
 @dataclass
@@ -263,6 +264,7 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "cluster.rollout_servers": (1, True, None),
     "sync.full_every": (1, True, None),
     "sync.group_timeout_s": (0, False, None),
+    "sync.buckets_in_flight": (1, True, None),
     "eval.every": (0, True, None),
     "eval.n_samples": (1, True, None),
     "eval.temperature": (0, True, None),

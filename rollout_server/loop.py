@@ -13,19 +13,19 @@ from typing import Any, NamedTuple
 import numpy as np
 import zmq
 
-from qurl import books, protocol
 from qurl.config import get, run_dir
 from qurl.data import Example, PromptDataset
 from qurl.evaluate import EvalSet, eval_max_new_tokens
-from qurl.frames import ProtocolError
-from qurl.protocol import Status, TrajectoryGroup, WeightPush, WeightRef
+from qurl.outputs import books
 from qurl.rewards import RewardPool, RewardResult
-from qurl.transport import Receiver, Sender
+from qurl.wire import protocol
+from qurl.wire.frames import ProtocolError
+from qurl.wire.protocol import Status, TrajectoryGroup, WeightPush, WeightRef
+from qurl.wire.transport import Receiver, Sender
 from rollout_server.admission import Admission
 from rollout_server.engines import Completion, GenRequest
 from rollout_server.scorer import Scorer
-from rollout_server.weight_refs import apply_ref
-from rollout_server.weights import WeightReceiver
+from rollout_server.weight_receiver import WeightReceiver
 
 log = logging.getLogger("rollout_server")
 
@@ -38,9 +38,6 @@ COUNTERS = (
     "sent",
     "send_retries",
     "tokens",
-    "weight_pushes_applied",
-    "weight_pushes_rejected",
-    "weight_pushes_ignored",
     "bad_messages",
     "bad_groups",
     "reward_timeouts",
@@ -154,7 +151,6 @@ class RolloutLoop:
         replaces_pid: int = 0,
     ) -> None:
         self.server_id, self.engine, self.scheme = server_id, engine, scheme
-        self.replica = replica  # which per-rank payloads of a cuda-ipc WeightRef are this server's
         self.replaces_pid = replaces_pid  # the dead server of this replica that this one replaces (0: none)
         self.tokenizer, self.dataset, self.admission, self.stop_ids = tokenizer, dataset, admission, stop_ids
         self.sockets = sockets
@@ -162,8 +158,11 @@ class RolloutLoop:
         self.scorer = Scorer(pool)
         self.outbox = Outbox(Sender(sockets.push, server_id, secret=secret), self.counters)
         self.control = Sender(sockets.dealer, server_id, secret=secret)
-        self.control_rx = Receiver(
-            sockets.dealer, secret=secret, max_bytes=sockets.dealer.getsockopt(zmq.MAXMSGSIZE), kinds=("status",)
+        self.control_rx = Receiver(  # replies, eval requests, and weights addressed to this server alone
+            sockets.dealer,
+            secret=secret,
+            max_bytes=sockets.dealer.getsockopt(zmq.MAXMSGSIZE),
+            kinds=("status", "weight_push", "weight_ref"),
         )
         self.weights_rx = Receiver(
             sockets.sub,
@@ -174,7 +173,8 @@ class RolloutLoop:
         self.running: dict[int, Group] = {}  # engine request id (draw index) -> group
         self.scoring = 0  # generated groups at the scorer
         self.run_dir = run_dir(cfg)
-        self.weights = WeightReceiver(engine, scheme, self.counters, lambda: self._status("resend_weights"))
+        self.weights = WeightReceiver(engine, scheme, lambda: self._status("resend_weights"), replica)
+        self.addressed: list[WeightPush | WeightRef] = []  # weights sent to this server alone, for the next poll
         self.n = get(cfg, "rollout.n_samples")
         self.max_batch = get(cfg, "rollout.max_batch")
         self.seed = get(cfg, "run.seed")
@@ -349,59 +349,27 @@ class RolloutLoop:
             log.warning("could not send the eval result of version %d: control queue full", run.version)
 
     def _poll_weights(self) -> None:
-        """Drain the SUB socket and apply what it brought, in version order (rollout_server/weights.py)."""
-        if self.eval_run is not None:  # every eval token comes from one version
+        """Drain the SUB socket and apply what it (and the control channel) brought (rollout_server/weight_receiver.py);
+        not while an evaluation generates: every eval token comes from one version."""
+        if self.eval_run is not None:
             return
-        pushes: list[WeightPush | WeightRef] = []
+        messages, self.addressed = self.addressed, []
         while self.sockets.sub.poll(0):
             msg = self.weights_rx.recv(timeout_ms=0)
             if msg is not None:
-                pushes.append(msg)
+                messages.append(msg)
         self.counters["bad_messages"] = self._rejected()
-        before = self.engine.version
-        self.weights.apply([m for m in pushes if isinstance(m, WeightPush)])
-        if self.engine.version != before:  # report the new version at once: the learner grants by it
+        if self.weights.apply(messages):  # report the new version at once: the learner grants by it
             self._last_heartbeat = 0.0
-        refs = [m for m in pushes if isinstance(m, WeightRef)]
-        newest = max(refs, key=lambda r: r.version, default=None)
-        if newest is None:
-            return
-        if newest.version <= self.engine.version:  # a re-announce for a server that lags, or a stale one
-            self.counters["weight_pushes_ignored"] += len(refs)
-        elif newest.scheme != self.scheme:
-            self._reject_push(newest, f"scheme {newest.scheme!r}, this engine holds {self.scheme!r}")
-        else:
-            self.counters["weight_pushes_ignored"] += len(refs) - 1
-            self._apply_ref(newest)
-
-    def _apply_ref(self, ref: WeightRef) -> None:
-        """A cuda-ipc / nccl push; the next tick reports the new version at once (the learner waits on it)."""
-        started = time.perf_counter()
-        try:
-            apply_ref(self.engine, ref, self.replica)
-        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-            self._reject_push(ref, str(exc))
-            return
-        self.counters["weight_pushes_applied"] += 1
-        self._last_heartbeat = 0.0
-        log.info(
-            "applied weights version %d by %s (%d buckets) in %.3f s",
-            ref.version,
-            ref.transport,
-            len(ref.buckets),
-            time.perf_counter() - started,
-        )
-
-    def _reject_push(self, push: WeightPush | WeightRef, why: str) -> None:
-        self.counters["weight_pushes_rejected"] += 1
-        log.error("rejected weight push version %d: %s", push.version, " ".join(why.split())[:300])
 
     def _poll_control(self) -> None:
         while self.sockets.dealer.poll(0):
             msg = self.control_rx.recv(timeout_ms=0)
             if msg is None:
                 continue
-            if msg.type == "reply" and msg.budget is not None:
+            if isinstance(msg, (WeightPush, WeightRef)):
+                self.addressed.append(msg)
+            elif msg.type == "reply" and msg.budget is not None:
                 self.admission.on_reply(msg.budget)
             elif msg.type == "eval_request":
                 self.eval_wanted = max(msg.version, self.eval_wanted or 0)
@@ -413,8 +381,13 @@ class RolloutLoop:
         return sum(self.weights_rx.rejected.values()) + sum(self.control_rx.rejected.values())
 
     def book_counters(self) -> dict[str, int]:
-        """The counters with `unsent` = groups at the scorer or in the outbox (the books: qurl.books)."""
-        return dict(self.counters, unsent=self.scoring + len(self.outbox.pending))
+        """The counters with `unsent` = groups at the scorer or in the outbox (the books: qurl.outputs.books)."""
+        return dict(
+            self.counters,
+            **self.weights.counters,
+            unsent=self.scoring + len(self.outbox.pending),
+            evaluating=int(self.eval_run is not None),  # takes no weights meanwhile: the learner resends nothing
+        )
 
     def _status(self, kind: str) -> None:
         counters = self.book_counters()

@@ -13,19 +13,19 @@ from typing import Any
 import zmq
 from omegaconf import DictConfig
 
-from qurl import transport
-from qurl.cli import EXIT_INPUT, parse
 from qurl.config import get
 from qurl.data import DatasetError
 from qurl.evaluate import load_eval_set, load_prompts
-from qurl.layout import REPLACES_ENV
-from qurl.protocol import CONTROL_MAX_BYTES, TRAJECTORY_MAX_BYTES, WEIGHTS_MAX_BYTES
 from qurl.quant import scheme_for
 from qurl.rewards import RewardError, RewardPool
+from qurl.supervisor.cli import EXIT_INPUT, parse
+from qurl.supervisor.layout import REPLACES_ENV
+from qurl.wire import transport
+from qurl.wire.protocol import TRAJECTORY_MAX_BYTES, WEIGHTS_MAX_BYTES
 from rollout_server.admission import Admission
 from rollout_server.engines import load_engine
 from rollout_server.loop import RolloutLoop, Sockets, stop_token_ids
-from rollout_server.weight_refs import join_update_group
+from rollout_server.weight_receiver import join_update_group
 
 PROG = "qurl-rollout-server"
 DATA_SEED_STRIDE = 1_000_003  # replica i shuffles prompts with seed run.seed + i * this: servers draw different prompts
@@ -63,7 +63,8 @@ def open_sockets(cfg: DictConfig, server_id: str) -> Sockets:
     push = transport.connect(ctx, zmq.PUSH, get(cfg, "transport.trajectories"), max_bytes=TRAJECTORY_MAX_BYTES)
     sub = transport.connect(ctx, zmq.SUB, get(cfg, "transport.weights"), max_bytes=WEIGHTS_MAX_BYTES, hwm=4)
     control = get(cfg, "transport.control")
-    dealer = transport.connect(ctx, zmq.DEALER, control, max_bytes=CONTROL_MAX_BYTES, hwm=16)  # no stale heartbeat pile
+    # no stale heartbeat pile (hwm 16); as large as a weight push: the learner resends weights to one server here
+    dealer = transport.connect(ctx, zmq.DEALER, control, max_bytes=WEIGHTS_MAX_BYTES, hwm=16)
     dealer.disconnect(control)  # a routing id applies to later connections only
     dealer.setsockopt(zmq.ROUTING_ID, server_id.encode())
     dealer.connect(control)
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INPUT  # bad data, reward module, model folder: a restart would fail the same way
         loop.run(stop)
         log.info("stopping on signal %s", caught[0] if caught else "?")
-    log.info("stopped: %s", loop.counters)
+    log.info("stopped: %s", loop.book_counters())
     return 0
 
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from qurl.metrics import CONTRACT_KEYS
-from qurl.report import read_metrics
+from qurl.outputs.metrics import CONTRACT_KEYS
+from qurl.outputs.report import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QURL_ASYNC = os.path.join(os.path.dirname(sys.executable), "qurl-async")
@@ -194,7 +194,7 @@ def test_sync_processes_take_turns_so_each_side_gets_the_cores(monkeypatch, stal
     """With max_staleness 0 the learner and the servers never compute at once: splitting the cores among all of
     them left half the machine idle in every synchronous run (benchmarks/pipeline.py --workload real)."""
     from qurl.config import load_config
-    from qurl.launcher import threads_per_process
+    from qurl.supervisor.launcher import threads_per_process
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = load_config(

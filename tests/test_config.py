@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import yaml
+from conftest import GPU_SGLANG
 
 from qurl.config import ConfigError, get, load_config, to_yaml
 
@@ -140,3 +141,37 @@ def test_qurl_async_refuses_each_bad_override_with_exit_2(override, key):
     bad = run_cli("qurl-async", "--config", "configs/demo-cpu.yaml", override)
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(lines) == 1 and key in lines[0], bad.stderr
+
+
+# -- sync.transport: zmq anywhere, cuda-ipc and nccl for SGLang replicas on GPUs ------------------------------------
+
+
+def _cfg(*overrides):
+    return load_config(None, list(overrides), check_paths=False)
+
+
+def error(*overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        _cfg(*overrides)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_zmq_is_the_default_and_the_only_transport_on_cpu():
+    assert _cfg().sync.transport == "zmq"
+    for kind in ("cuda-ipc", "nccl"):
+        assert "needs rollout.engine=sglang" in error(f"sync.transport={kind}")
+        assert "on CPU use sync.transport=zmq" in error(
+            f"sync.transport={kind}", "rollout.engine=sglang", "rollout.dtype=bfloat16"
+        )
+    assert "choose one of: zmq, cuda-ipc, nccl" in error("sync.transport=gloo")
+
+
+def test_nccl_refuses_int8_and_cuda_ipc_stays_on_this_node():
+    assert "cannot refit rollout.quant=int8" in error("sync.transport=nccl", *GPU_SGLANG, "rollout.quant=int8")
+    assert _cfg("sync.transport=nccl", *GPU_SGLANG).sync.transport == "nccl"
+    assert _cfg("sync.transport=cuda-ipc", *GPU_SGLANG, "rollout.quant=int8").rollout.quant == "int8"
+    msg = error("sync.transport=cuda-ipc", *GPU_SGLANG, "transport.weights=tcp://10.0.0.2:5555", "transport.secret=k")
+    assert "must be loopback or ipc://" in msg
+    assert "sync.group_endpoint" in error("sync.group_endpoint=ipc:///tmp/x")
+    assert "rollout.mem_fraction" in error("rollout.mem_fraction=1.5")

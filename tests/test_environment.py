@@ -1,6 +1,6 @@
-"""qurl/environment.py: the machine checked before a run starts. The driver check on version strings as NVIDIA and
-pip report them (no GPU here); /dev/shm and the disk through a real qurl-async start on a model whose safetensors
-header claims a 1 TiB tensor (a sparse file: no disk is used). Each refusal is one line and exit 2."""
+"""qurl/supervisor/environment.py: the machine checked before a run starts. The driver check on version strings
+as NVIDIA and pip report them (no GPU here); /dev/shm and the disk through a real qurl-async start on a model whose
+safetensors header claims a 1 TiB tensor (a sparse file: no disk is used). Each refusal is one line and exit 2."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from test_async import start
 from test_hostile import refusal
 
-from qurl.environment import checkpoint_bytes, driver_problem, model_tensors, push_bytes
+from qurl.supervisor.environment import checkpoint_bytes, driver_problem, model_tensors, push_bytes
 
 EXIT_INPUT = 2
 TIB = 1 << 40

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from qurl.config import ConfigError, load_config
+from qurl.outputs.report import read_metrics
 from qurl.quant import quantize_int8, quantize_state_dict
-from qurl.report import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -55,13 +55,13 @@ def test_gpu_check_keeps_every_figure_when_a_later_step_fails(tmp_path):
 
     out = tmp_path / "check.json"
     result = {"steps": {}}
-    run_steps(["logprob_memory", "learner_step", "decode", "eval_time"], run, 400.0, 1.0, result, str(out))
+    run_steps(["logprob_memory", "learner_step", "decode", "eval_time"], run, 400.0, result, str(out))
     steps = json.loads(out.read_text())["steps"]
     assert steps["logprob_memory"]["figure"] == "logprob_memory" and steps["eval_time"]["figure"] == "eval_time"
     assert steps["learner_step"]["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 9.50 GiB"
     assert steps["decode"]["error"] == "over its 75 s limit"
     result = {"steps": {}}
-    run_steps(["logprob_memory", "eval_time"], run, 5.0, 1.0, result, str(out))  # 5 s left: nothing starts
+    run_steps(["logprob_memory", "eval_time"], run, 5.0, result, str(out))  # 5 s left: nothing starts
     assert all("skipped" in step for step in json.loads(out.read_text())["steps"].values())
 
 

@@ -1,6 +1,6 @@
 """Hostile input and operator mistakes (docs/RELIABILITY.md §5), with real processes and real files: a second
 launcher on a live run, non-finite settings and weights, damaged checkpoints, start-up errors that would recur,
-and what the console must say. Each refusal is one line and a documented exit code (qurl/cli.py).
+and what the console must say. Each refusal is one line and a documented exit code (qurl/supervisor/cli.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_async import QURL_ASYNC, ROOT, demo_overrides, finish, start, wait_for_step
 
-from qurl.report import read_metrics
+from qurl.outputs.report import read_metrics
 
 EXIT_INPUT, EXIT_DIVERGED = 2, 3
 
@@ -310,8 +310,8 @@ def test_bad_rows_a_resume_from_scratch_and_a_reward_without_signal_are_said_on_
 def test_rewards_that_never_found_an_answer_are_said_on_the_console(tmp_path, capsys):
     """All-zero rewards because no response had a final answer the reward reads (DAPO's `Answer: X` under a reward
     that reads only boxes, before): a warning of its own, once, and summary.json's count."""
-    from qurl.launcher import ProgressBar
-    from qurl.report import no_answer_streak
+    from qurl.outputs.report import no_answer_streak
+    from qurl.supervisor.launcher import ProgressBar
 
     path = tmp_path / "metrics.jsonl"
 
@@ -337,7 +337,7 @@ def test_rewards_that_never_found_an_answer_are_said_on_the_console(tmp_path, ca
 
 
 def test_the_progress_bar_keeps_the_reward_under_an_eval_row_and_never_runs_backwards(tmp_path):
-    from qurl.launcher import ProgressBar
+    from qurl.supervisor.launcher import ProgressBar
 
     path = tmp_path / "metrics.jsonl"
     rows = [

@@ -22,11 +22,11 @@ import yaml
 import zmq
 from safetensors.torch import load_file
 
-from qurl import delta, transport
 from qurl.data import PromptDataset
-from qurl.metrics import CONTRACT_KEYS
-from qurl.protocol import Sample, Status, TrajectoryGroup, WeightPush
+from qurl.outputs.metrics import CONTRACT_KEYS
 from qurl.quant import dequantize_state_dict
+from qurl.wire import delta, transport
+from qurl.wire.protocol import Sample, Status, TrajectoryGroup, WeightPush
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS, N = 4, 4  # groups per batch, samples per group
@@ -112,9 +112,11 @@ class Peer:
             max_bytes=1 << 30,
             kinds=("weight_push",),
         )
-        dealer = transport.connect(self.ctx, zmq.DEALER, endpoints["control"], max_bytes=1 << 20)
+        dealer = transport.connect(self.ctx, zmq.DEALER, endpoints["control"], max_bytes=1 << 30)
         self.control = transport.Sender(dealer, server_id)
-        self.replies = transport.Receiver(dealer, secret=None, max_bytes=1 << 20, kinds=("status",))
+        # replies, and the weights the learner resends to this server alone (a late joiner's, a lagging one's)
+        self.replies = transport.Receiver(dealer, secret=None, max_bytes=1 << 30, kinds=("status", "weight_push"))
+        self.addressed: list[WeightPush] = []
         self.server_id = server_id
 
     def hello(self, version: int = 0, kind: str = "hello") -> None:
@@ -126,10 +128,18 @@ class Peer:
         while time.monotonic() < deadline:
             assert proc.poll() is None, "the learner exited early"
             self.hello()
-            msg = self.replies.recv(timeout_ms=500)
+            msg = self._control(timeout_ms=500)
             if msg is not None:
                 return msg
         raise AssertionError("no reply on the control channel")
+
+    def _control(self, timeout_ms: int) -> Status | None:
+        """The next status on the control channel; weights that come there are kept for weights()."""
+        msg = self.replies.recv(timeout_ms=timeout_ms)
+        while isinstance(msg, WeightPush):
+            self.addressed.append(msg)
+            msg = self.replies.recv(timeout_ms=0)
+        return msg
 
     def send(self, groups: list[TrajectoryGroup]) -> None:
         for g in groups:
@@ -143,7 +153,8 @@ class Peer:
                 deadline = min(deadline, time.monotonic() + 3)
             if say_hello:
                 self.hello()
-            msg = self.sub.recv(timeout_ms=500)
+            self._control(timeout_ms=0)
+            msg = self.addressed.pop(0) if self.addressed else self.sub.recv(timeout_ms=500)
             if msg is not None and msg.version >= version:
                 return msg
         raise AssertionError(f"no weight push of version {version}")

@@ -1,4 +1,4 @@
-"""qurl.protocol: round trips; every malformed, forged or replayed message is a ProtocolError."""
+"""qurl.wire.protocol: round trips; every malformed, forged or replayed message is a ProtocolError."""
 
 import json
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from qurl.frames import (
+from qurl.wire.frames import (
     BUCKET_ALIGN,
     DTYPES,
     MAX_HEADER_BYTES,
@@ -26,7 +26,7 @@ from qurl.frames import (
     mac,
     to_torch,
 )
-from qurl.protocol import Sample, Status, TrajectoryGroup, WeightPush, decode, encode
+from qurl.wire.protocol import Sample, Status, TrajectoryGroup, WeightPush, WeightRef, decode, encode
 
 SECRET = b"test-secret"
 MAX = 1 << 24
@@ -637,3 +637,55 @@ def test_json_number_limits():
     assert isinstance(try_decode([huge, *g[1:]]), BadHeader)
     inf = bytes(g[0]).replace(b'"reward":0.0', b'"reward":1e999')
     assert isinstance(try_decode([inf, *g[1:]]), BadField)
+
+
+# -- the WeightRef message ---------------------------------------------------------------------------
+
+META = (["a.weight", "a.weight_scale_inv"], ["float8_e4m3fn", "float32"], [[256, 128], [2, 1]])
+
+
+def test_weight_ref_round_trips_with_hmac_and_strict_decoding():
+    ref = WeightRef(
+        version=7,
+        scheme="fp8-block",
+        transport="cuda-ipc",
+        buckets=[META, (["b"], ["bfloat16"], [[3]])],
+        payloads=[[b"rank0-b0", b"rank1-b0"], [b"rank0-b1", b"rank1-b1"]],
+    )
+    frames = encode(ref, sender="learner", session="s", seq=1, secret=b"key")
+    got = decode(frames, secret=b"key", max_bytes=1 << 20, kinds=("weight_push", "weight_ref"))
+    assert isinstance(got, WeightRef) and got.version == 7 and got.ranks == 2
+    assert got.buckets[0] == (META[0], META[1], META[2]) and got.payloads[1] == [b"rank0-b1", b"rank1-b1"]
+    tampered = list(frames)
+    tampered[2] = bytes(b"x" * len(bytes(tampered[2])))
+    with pytest.raises(BadAuth):
+        decode(tampered, secret=b"key", max_bytes=1 << 20)
+    unsigned = encode(ref, sender="learner", session="s", seq=1)
+    with pytest.raises(BadFrame):  # a payload frame left out
+        decode(unsigned[:-1], secret=None, max_bytes=1 << 20)
+    nccl = WeightRef(version=1, scheme="none", transport="nccl", buckets=[(["w"], ["bfloat16"], [(4, 4)])])
+    back = decode(encode(nccl, sender="l", session="s", seq=0), secret=None, max_bytes=1 << 20)
+    assert back.transport == "nccl" and back.payloads == [] and back.buckets[0][2] == [[4, 4]]
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(transport="rdma"), "transport"),
+        (dict(buckets=[]), "at least one bucket"),
+        (dict(buckets=[(["w"], ["float64"], [[2]])]), "dtype"),
+        (dict(buckets=[(["w"], ["float32"], [[-1]])]), "shape"),
+        (dict(buckets=[(["w", "w"], ["float32"] * 2, [[1], [1]])]), "twice"),
+        (dict(buckets=[(["w"], ["float32", "int8"], [[1]])]), "equal"),
+        (dict(transport="nccl", payloads=[[b"x"]]), "nccl reference carries none"),
+        (dict(payloads=[]), "one list per bucket"),
+        (dict(payloads=[[b""]]), "bytes"),
+    ],
+)
+def test_weight_ref_refuses_bad_fields(kwargs, fragment):
+    fields = dict(
+        version=1, scheme="none", transport="cuda-ipc", buckets=[(["w"], ["float32"], [[2]])], payloads=[[b"p"]]
+    )
+    fields.update(kwargs)
+    with pytest.raises(BadField, match=fragment):
+        WeightRef(**fields)

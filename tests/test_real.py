@@ -161,7 +161,7 @@ def test_recipe_runs_end_to_end(real_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = subprocess.run(
         [
-            str(Path(sys.executable).parent / "qurl-async"),  # the console script (qurl.launcher has no __main__)
+            str(Path(sys.executable).parent / "qurl-async"),  # the console script (the launcher has no __main__)
             "--config",
             str(CONFIG),
             f"run.dir={run}",
@@ -222,7 +222,7 @@ def test_easy_splits_keep_passing_templates_and_fresh_problems_are_new(real_dir:
     (root / real.MODEL_DIR).symlink_to(real_dir / real.MODEL_DIR)
     info = real.read_info(real_dir)
     settings = EasySettings(instances=1, samples=1, max_new_tokens=4, min_passes=0)
-    easy = prepare_easy(root, info, settings)
+    easy = prepare_easy(root, info, root / real.MODEL_DIR, settings)
     assert easy["train_templates"] == info["train_templates"] and easy["heldout_templates"] == info["heldout_templates"]
     assert set(easy["passes"]) == {str(t) for t in info["train_templates"] + info["heldout_templates"]}
     train, held = rows(root / "gsm" / "train-easy.jsonl"), rows(root / "gsm" / "heldout-easy.jsonl")
@@ -231,7 +231,7 @@ def test_easy_splits_keep_passing_templates_and_fresh_problems_are_new(real_dir:
     assert {r["template"] for r in fresh} <= set(info["train_templates"])
     assert not {r["prompt"][-1]["content"] for r in fresh} & {r["prompt"][-1]["content"] for r in train}
     assert train == rows(real_dir / "gsm" / "train.jsonl")  # every template kept: the recipe's own draws
-    assert prepare_easy(root, info, settings) == easy
+    assert prepare_easy(root, info, root / real.MODEL_DIR, settings) == easy
 
 
 def test_easy_splits_keep_training_templates_when_no_held_out_template_passes(real_dir: Path, tmp_path: Path) -> None:
@@ -249,7 +249,7 @@ def test_easy_splits_keep_training_templates_when_no_held_out_template_passes(re
     counts = {t: int(t in kept) for t in info["train_templates"] + info["heldout_templates"]}
     saved = {"settings": dataclasses.asdict(settings), "counts": counts, "wall_s": 12.5}
     (root / "gsm" / "easy-counts.json").write_text(json.dumps(saved))
-    easy = prepare_easy(root, info, settings)
+    easy = prepare_easy(root, info, root / real.MODEL_DIR, settings)
     assert easy["train_templates"] == kept and easy["heldout_templates"] == [] and easy["heldout_pass_rate"] is None
     assert easy["wall_s"] == 12.5 and not (root / "gsm" / "heldout-easy.jsonl").exists()
     assert {r["template"] for r in rows(root / "gsm" / "train-easy.jsonl")} == set(kept)

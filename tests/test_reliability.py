@@ -20,9 +20,10 @@ import pytest
 import zmq
 from test_async import demo_overrides, finish, start, wait_for_step
 
-from qurl import books, transport
-from qurl.protocol import Status, encode
-from qurl.report import read_metrics
+from qurl.outputs import books
+from qurl.outputs.report import read_metrics
+from qurl.wire import transport
+from qurl.wire.protocol import Status, encode
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

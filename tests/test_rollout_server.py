@@ -22,12 +22,12 @@ import torch
 import zmq
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from qurl import transport
-from qurl.frames import from_torch, to_torch
-from qurl.protocol import Sample as ProtoSample
-from qurl.protocol import Status, TrajectoryGroup, WeightPush, encode
 from qurl.quant import quantize_state_dict
 from qurl.rewards import arith_reward
+from qurl.wire import transport
+from qurl.wire.frames import from_torch, to_torch
+from qurl.wire.protocol import Sample as ProtoSample
+from qurl.wire.protocol import Status, TrajectoryGroup, WeightPush, encode
 from rollout_server.engines import load_engine
 from rollout_server.loop import Outbox
 

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 from test_async import ROOT, demo_overrides, finish, start
 
-from qurl.launcher import free_port
-from qurl.report import read_metrics
+from qurl.outputs.report import read_metrics
+from qurl.supervisor.launcher import free_port
 
 BIN = os.path.dirname(sys.executable)
 

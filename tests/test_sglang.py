@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qurl import sglang_payload as payload
 from qurl.quant import quantize_int8, quantize_state_dict
+from qurl.wire import sglang_payload as payload
+from qurl.wire.protocol import WeightRef
 from rollout_server.engines import GenRequest, load_engine
 from rollout_server.engines import sglang_args as sargs
 from rollout_server.engines import sglang_engine as se
@@ -729,11 +730,13 @@ def test_fp8_block_payload_refits_sglang_fp8_layers_in_place(sg):
 
 @needs_sglang
 def test_learner_nccl_push_reaches_a_replica_through_sglang_distributed_receive(sg, tmp_path, weight_hub):
-    """The learner's NcclPush (gloo here, NCCL on GPUs) announces a WeightRef over ZeroMQ and broadcasts the buckets;
-    in another process a TP-1 replica decodes the ref and SGLang's own WeightUpdater receives every bucket."""
-    from learner.push_transport import NcclPush
+    """The learner's NcclTransport (gloo here, NCCL on GPUs) sends a WeightRef over ZeroMQ and broadcasts the buckets,
+    at most sync.buckets_in_flight queued at once; in another process a TP-1 replica decodes the ref and SGLang's own
+    WeightUpdater receives every bucket."""
+    from learner.weight_sync import NcclTransport
 
-    sender, endpoint, _ = weight_hub
+    hub = weight_hub
+    endpoint = hub.endpoint
     pushed = quantize_state_dict(layer_tensors(PREFIX, 256, 4, 2, 64, 384), "fp8-block")
     port = _free_port()
     spec = tmp_path / "spec.json"
@@ -741,8 +744,8 @@ def test_learner_nccl_push_reaches_a_replica_through_sglang_distributed_receive(
     out = tmp_path / "received.pt"
     child = subprocess.Popen([sys.executable, __file__, "--replica", str(spec), str(out)])
     try:
-        push = NcclPush(
-            sender,
+        push = NcclTransport(
+            hub.pub,
             "fp8-block",
             torch.device("cpu"),
             f"tcp://127.0.0.1:{port}",
@@ -752,7 +755,8 @@ def test_learner_nccl_push_reaches_a_replica_through_sglang_distributed_receive(
         )
         push.open()  # returns once the replica has joined (it subscribed to the weights first)
         time.sleep(0.5)  # PUB/SUB: let the subscription land
-        stats = push.publish(3, pushed)
+        push.send(3, pushed)
+        push.drain()  # the broadcasts run in a thread of their own; this returns once the replica took them all
         assert child.wait(timeout=120) == 0
     finally:
         if child.poll() is None:
@@ -762,40 +766,90 @@ def test_learner_nccl_push_reaches_a_replica_through_sglang_distributed_receive(
     assert version == 3 and len(received) == len(bs) > 1
     for got, bucket in zip(received, bs):
         assert_same(got, bucket)
-    assert stats.bytes == sum(t.nbytes for t in pushed.values())
+    assert push.peak_queued == 2 < len(bs)  # never the whole push queued on the device
 
 
 @needs_sglang
 def test_the_nccl_group_waits_for_its_replicas_as_long_as_sync_group_timeout_s(sg, weight_hub):
     """Learner rank 0 joins with SGLang's init_custom_process_group; its wait is sync.group_timeout_s (SGLang's own
     default is 30 minutes, less than a first FP8 start may take): here 3 s with no replica, then a one-line error."""
-    from learner.push_transport import NcclPush
+    from learner.weight_sync import NcclTransport
 
-    sender, _, _ = weight_hub
-    push = NcclPush(sender, "fp8-block", torch.device("cpu"), f"tcp://127.0.0.1:{_free_port()}", 1, 1, timeout_s=3.0)
+    push = NcclTransport(
+        weight_hub.pub, "fp8-block", torch.device("cpu"), f"tcp://127.0.0.1:{_free_port()}", 1, 1, timeout_s=3.0
+    )
     started = time.monotonic()
     with pytest.raises(Exception) as info:
         push.open()
     assert 2.5 < time.monotonic() - started < 60, info.value
 
 
-def _replica_main(spec_path: str, out_path: str) -> None:
-    """Child side of the test above: subscribe, join the group with SGLang's WeightUpdater, receive per the ref."""
-    import torch.distributed as dist
+ORDERED_GROUP = "qurl-weights-ordered"
+
+
+@needs_sglang
+def test_a_replica_busy_while_two_nccl_versions_go_out_takes_each_in_order(sg, tmp_path, weight_hub):
+    """Two versions announced back to back, their broadcasts queued, while a replica is busy (an evaluation): it
+    applies both refs in version order through the server's WeightReceiver and SGLang's WeightUpdater, and ends on
+    the newest version's bytes labelled with it (before, it applied only the newest ref and took the first version's
+    broadcasts as the second's, one version behind for the rest of the run)."""
+    import threading
+
+    hub = weight_hub
+    versions = {v: quantize_state_dict(layer_tensors(PREFIX, 256, 4, 2, 64, 384, seed=v), "fp8-block") for v in (3, 4)}
+    port = _free_port()
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"port": port, "weights": hub.endpoint, "pause_s": 3.0}))
+    out = tmp_path / "received.pt"
+    child = subprocess.Popen([sys.executable, __file__, "--ordered-replica", str(spec), str(out)])
+    try:
+        world, _ = payload.update_group_layout(1, 1)
+        # a group name of its own: this process already holds the test above's group
+        group = payload.open_update_group("127.0.0.1", port, world, ORDERED_GROUP, "gloo", timeout_s=120)
+        time.sleep(0.5)  # PUB/SUB: let the subscription land
+        buckets = {v: payload.buckets(payload.named_tensors(t, "fp8-block"), 200_000) for v, t in versions.items()}
+        for v in (3, 4):  # both refs out before the replica reads either
+            hub.pub.send(
+                WeightRef(
+                    version=v,
+                    scheme="fp8-block",
+                    transport="nccl",
+                    buckets=[payload.bucket_meta(b) for b in buckets[v]],
+                )
+            )
+        sender = threading.Thread(
+            target=lambda: [payload.broadcast_buckets(buckets[v], group, "cpu") for v in (3, 4)], daemon=True
+        )
+        sender.start()
+        assert child.wait(timeout=180) == 0
+        sender.join(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    version, received, applied = torch.load(out)
+    assert version == 4 and applied == 2
+    for v in (3, 4):
+        assert len(received[v]) == len(buckets[v]) > 1
+        for got, bucket in zip(received[v], buckets[v]):
+            assert_same(got, bucket)
+
+
+def _weights_subscriber(endpoint: str):
+    """(context, receiver) of a replica's SUB socket on the learner's weights."""
     import zmq
+
+    from qurl.wire import transport
+
+    ctx = zmq.Context()
+    sub = transport.connect(ctx, zmq.SUB, endpoint, max_bytes=1 << 30)
+    return ctx, transport.Receiver(sub, secret=b"k", max_bytes=1 << 30, kinds=("weight_push", "weight_ref"))
+
+
+def _joined_updater(port: int, group: str = payload.GROUP_NAME):
+    """A TP-1 replica's SGLang WeightUpdater in its own (gloo) world, joined to the learner's update group."""
+    import torch.distributed as dist
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    from qurl import transport
-    from qurl.protocol import WeightRef
-
-    spec = json.loads(Path(spec_path).read_text())
-    ctx = zmq.Context()
-    rx = transport.Receiver(
-        transport.connect(ctx, zmq.SUB, spec["weights"], max_bytes=1 << 30),
-        secret=b"k",
-        max_bytes=1 << 30,
-        kinds=("weight_push", "weight_ref"),
-    )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)  # the replica's own (TP) world
     updater = WeightUpdater(
@@ -811,14 +865,59 @@ def _replica_main(spec_path: str, out_path: str) -> None:
     )
     world, offsets = payload.update_group_layout(1, 1)
     ok, msg = updater.init_weights_update_group(
-        "127.0.0.1",
-        spec["port"],
-        rank_offset=offsets[0],
-        world_size=world,
-        group_name=payload.GROUP_NAME,
-        backend="gloo",
+        "127.0.0.1", port, rank_offset=offsets[0], world_size=world, group_name=group, backend="gloo"
     )
     assert ok, msg
+    return updater
+
+
+def _ordered_replica_main(spec_path: str, out_path: str) -> None:
+    """Child side of the test above: join the group, stay busy while both refs arrive, then let the server's
+    WeightReceiver apply what the SUB socket holds, over SGLang's own WeightUpdater."""
+
+    from rollout_server.weight_receiver import WeightReceiver
+
+    spec = json.loads(Path(spec_path).read_text())
+    ctx, rx = _weights_subscriber(spec["weights"])
+    updater = _joined_updater(spec["port"], ORDERED_GROUP)
+
+    class Replica:  # the SGLangEngine surface the receiver uses for nccl refs, over SGLang's own WeightUpdater
+        tp_size, version = 1, 0
+        received: dict = {}
+
+        def receive_broadcast(self, metas, version):
+            self.received[version] = [
+                [
+                    (n, t.clone())
+                    for n, t in updater.receive_weights_from_distributed(
+                        names=n, dtypes=d, shapes=s, group_name=ORDERED_GROUP, load_format="flattened_bucket"
+                    )
+                ]
+                for n, d, s in metas
+            ]
+            self.version = version
+
+    time.sleep(spec["pause_s"])  # busy: both refs are waiting on the socket when it looks
+    messages = []
+    while len(messages) < 2:
+        msg = rx.recv(timeout_ms=60_000)
+        assert msg is not None
+        messages.append(msg)
+    replica = Replica()
+    receiver = WeightReceiver(replica, "fp8-block", lambda: None)
+    receiver.apply(messages)
+    torch.save((replica.version, replica.received, receiver.counters["weight_pushes_applied"]), out_path)
+    ctx.destroy(linger=0)
+
+
+def _replica_main(spec_path: str, out_path: str) -> None:
+    """Child side of the test above: subscribe, join the group with SGLang's WeightUpdater, receive per the ref."""
+
+    from qurl.wire.protocol import WeightRef
+
+    spec = json.loads(Path(spec_path).read_text())
+    ctx, rx = _weights_subscriber(spec["weights"])
+    updater = _joined_updater(spec["port"])
     ref = rx.recv(timeout_ms=60_000)
     assert isinstance(ref, WeightRef) and ref.transport == "nccl", ref
     received = [
@@ -833,31 +932,33 @@ def _replica_main(spec_path: str, out_path: str) -> None:
 
 @needs_sglang
 def test_learner_ipc_push_rewrites_its_buffers_and_payloads_open_in_sglang(sg, weight_hub):
-    """IpcPush (CPU tensors here, CUDA on GPUs): per-rank payloads of views into persistent buffers, announced as a
+    """IpcTransport (CPU tensors here, CUDA on GPUs): per-rank payloads of views into persistent buffers, sent as a
     WeightRef; SGLang's allow-list unpickler opens each as the pushed (name, tensor) pairs; a second push rewrites
     the same buffers once the servers report the first version."""
     import zmq
     from sglang.srt.utils import MultiprocessingSerializer
 
-    from learner.control_plane import ServerInfo
-    from learner.push_transport import IpcPush
-    from qurl import transport
-    from qurl.protocol import WeightRef
-    from rollout_server.weight_refs import apply_ref
+    from learner.servers import ServerInfo
+    from learner.weight_sync import IpcTransport
+    from qurl.wire import transport
+    from qurl.wire.protocol import WeightRef
+    from rollout_server.weight_receiver import WeightReceiver
 
-    sender, endpoint, ctx = weight_hub
+    hub = weight_hub
     rx = transport.Receiver(
-        transport.connect(ctx, zmq.SUB, endpoint, max_bytes=1 << 30),
+        transport.connect(hub.ctx, zmq.SUB, hub.endpoint, max_bytes=1 << 30),
         secret=b"k",
         max_bytes=1 << 30,
         kinds=("weight_ref",),
     )
     time.sleep(0.3)
-    push = IpcPush(sender, "int8", torch.device("cpu"), ranks=4, bucket_bytes=200_000, ack_timeout_s=0.2)
+    push = IpcTransport(
+        hub.pub, "int8", torch.device("cpu"), ranks=4, servers=hub.servers, bucket_bytes=200_000, ack_timeout_s=0.2
+    )
     sets = None
     for version, seed in ((1, 0), (2, 1), (3, 2)):
         pushed = quantize_state_dict(layer_tensors(PREFIX, 256, 4, 2, 64, 384, seed=seed), "int8")
-        assert push.publish(version, pushed) is not None
+        assert push.send(version, pushed) is not None
         sets = sets or [list(s) for s in push.sets]
         assert all(a is b for s, t in zip(sets, push.sets) for a, b in zip(s, t))  # rewritten, never reallocated
         assert push.versions == ([1, None], [1, 2], [3, 2])[version - 1]  # the two sets alternate
@@ -866,27 +967,27 @@ def test_learner_ipc_push_rewrites_its_buffers_and_payloads_open_in_sglang(sg, w
         opened = dict(pair for p in ref.payloads for pair in MultiprocessingSerializer.deserialize(p[3]))
         assert opened.keys() == pushed.keys()
         assert all(torch.equal(opened[k].view(torch.uint8), pushed[k].view(torch.uint8)) for k in pushed)
-        sender.plane.servers = {"rollout-0": ServerInfo(version, 0, 0, time.monotonic())}  # as its heartbeat says
+        hub.servers["rollout-0"] = ServerInfo(version, 0, 0, time.monotonic())  # as its heartbeat says
     # a server still on version 1 has yet to read set 1 (version 2): push 4 would overwrite it, so it is skipped
-    sender.plane.servers = {"rollout-0": ServerInfo(1, 0, 0, time.monotonic())}
+    hub.servers["rollout-0"] = ServerInfo(1, 0, 0, time.monotonic())
     before = [t.clone() for t in push.sets[1]]
-    assert push.publish(4, pushed) is None and push.skipped == 1 and push.versions == [3, 2]
+    assert push.send(4, pushed) is None and push.skipped == 1 and push.versions == [3, 2]
     assert all(torch.equal(a, b) for a, b in zip(before, push.sets[1])) and rx.recv(timeout_ms=300) is None
 
-    class Replica:  # the SGLangEngine surface apply_ref uses; a live one needs CUDA (gpu_check_sglang.sh)
-        tp_size = 2
+    class Replica:  # the SGLangEngine surface the receiver uses; a live one needs CUDA (gpu_check_sglang.sh)
+        tp_size, scheme, version = 2, "int8", 0
 
         def check_metas(self, metas):
             self.metas = metas
 
         def apply_serialized(self, payloads, version):
-            self.got = (payloads, version)
+            self.got, self.version = (payloads, version), version
 
     replica = Replica()
-    apply_ref(replica, ref, replica=1)
-    assert replica.got == ([p[2:4] for p in ref.payloads], 3) and replica.metas == ref.buckets
-    with pytest.raises(ValueError, match="replica 2 with tp 2"):
-        apply_ref(replica, ref, replica=2)
+    receiver = WeightReceiver(replica, "int8", lambda: None, replica=1)
+    assert receiver.apply([ref]) and replica.got == ([p[2:4] for p in ref.payloads], 3) and replica.metas == ref.buckets
+    replica.version = 0
+    assert not WeightReceiver(replica, "int8", lambda: None, replica=2).apply([ref])  # replica 2 with tp 2: refused
 
 
 def _free_port() -> int:
@@ -962,3 +1063,5 @@ def test_server_args_merge_into_the_fp8_override_and_loader_lists():
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--replica"]:
     _replica_main(sys.argv[2], sys.argv[3])
+if __name__ == "__main__" and sys.argv[1:2] == ["--ordered-replica"]:
+    _ordered_replica_main(sys.argv[2], sys.argv[3])

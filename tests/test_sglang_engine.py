@@ -27,8 +27,8 @@ pytestmark = pytest.mark.skipif(
 
 transformers = pytest.importorskip("transformers")
 
-from qurl import delta  # noqa: E402
 from qurl.quant import dequantize_state_dict, quantize_state_dict  # noqa: E402
+from qurl.wire import delta  # noqa: E402
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 STORAGE_LOADER = "cpu_quant.record_storage"  # test support: writes the quantized layers' data pointers to a file
@@ -232,6 +232,13 @@ def test_quantized_version_zero_pushes_and_deltas_land_in_place(scheme, qwen, tm
             engine.apply_delta(whole, deltas, version=3, checksum=delta.checksum(q1))
         assert engine.version == 2 and delta.checksum(engine.host) == delta.checksum(q2)
         assert storage(engine) == pointers  # every push wrote into the start-up storage
+        # an empty delta (nothing moved): SGLang gets no weight update, but its weight version moves, so the tokens
+        # that follow carry version 3 (before, they carried 2 and looked one version staler than they were)
+        whole, deltas = delta.diff(q2, q2)
+        assert not whole and not deltas
+        engine.apply_delta(whole, deltas, version=3, checksum=delta.checksum(q2))
+        sample = engine.generate(greedy())[0].samples[0]
+        assert engine.version == 3 and set(sample.versions) == {3}, sample.versions
     finally:
         engine.close()
 
@@ -240,7 +247,7 @@ def test_qurl_async_with_sglang_trains_and_a_killed_server_restarts(demo_dir, tm
     """The whole pipeline on SGLang (fp32): learner pushes over ZeroMQ into the engine; SIGKILL, restart, resume."""
     from test_async import finish, start, wait_for_step
 
-    from qurl.report import read_metrics
+    from qurl.outputs.report import read_metrics
 
     run_dir = tmp_path / "sgl"
     proc = start(demo_dir, run_dir, 6, "rollout.engine=sglang", "rollout.quant=none")
@@ -263,7 +270,7 @@ def test_qurl_async_with_sglang_int8_pushes_through_our_loader(demo_dir, tmp_pat
     """INT8 rollout on SGLang (stand-in matmul, bf16): full and delta pushes through the custom loader."""
     from test_async import finish, start
 
-    from qurl.report import read_metrics
+    from qurl.outputs.report import read_metrics
 
     run_dir = tmp_path / "sgl-int8"
     code, out = finish(

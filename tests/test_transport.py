@@ -1,4 +1,4 @@
-"""qurl.transport on real sockets: loopback by default, a receiver process that outlives garbage."""
+"""qurl.wire.transport on real sockets: loopback by default, a receiver process that outlives garbage."""
 
 import json
 import logging
@@ -15,9 +15,9 @@ import pytest
 import torch
 import zmq
 
-from qurl import transport
-from qurl.frames import from_torch, mac, to_torch
-from qurl.protocol import Sample, Status, TrajectoryGroup, WeightPush, encode
+from qurl.wire import transport
+from qurl.wire.frames import from_torch, mac, to_torch
+from qurl.wire.protocol import Sample, Status, TrajectoryGroup, WeightPush, encode
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = b"transport-secret"
@@ -88,7 +88,7 @@ def test_push_pull_round_trip_and_counts(ctx, caplog):
     got = rx.recv(timeout_ms=WAIT_MS)
     assert isinstance(got, TrajectoryGroup) and got.prompt_id == "p1"
     np.testing.assert_array_equal(got.samples[0].token_ids, [4, 5])
-    with caplog.at_level(logging.WARNING, logger="qurl.transport"):
+    with caplog.at_level(logging.WARNING, logger="qurl.wire.transport"):
         push.send_multipart([b"not json"])
         transport.Sender(push, "srv", secret=b"wrong").send(group())
         push.send_multipart(encode(group(), sender="srv", session=tx.session, seq=0, secret=SECRET))  # replay of seq 0
@@ -154,7 +154,7 @@ def test_pub_sub_weight_push(ctx):
 
 CHILD = r"""
 import json, sys, zmq
-from qurl import transport
+from qurl.wire import transport
 secret = bytes.fromhex(sys.argv[1])
 ctx = zmq.Context()
 sock = transport.bind(ctx, zmq.PULL, "tcp://127.0.0.1:*", secret=secret, max_bytes=1 << 16)

@@ -1,9 +1,9 @@
 """Templates the base model sometimes solves: a training set with a learning signal for the real ablation (issue 21).
 
 SmolLM2-135M solves about 2% of the recipe's problems, so most GRPO groups have zero advantage. This
-measures each template's pass rate with the prepared model (the compact torch engine, T = 1, a few
-fresh instances x a few samples per template, seeded) and keeps the templates with at least one
-correct sample. It writes, next to the recipe's files in ``gsm/``::
+measures each template's pass rate with the prepared model (transformers' sampling at T = 1 over the whole
+vocabulary, full precision, a few fresh instances x a few samples per template, seeded) and keeps the templates
+with at least one correct sample. It writes, next to the recipe's files in ``gsm/``::
 
     train-easy.jsonl     problems from the kept training templates (same one-shot prompt as train.jsonl)
     heldout-easy.jsonl   problems from the kept held-out templates (still disjoint from training); not written
@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from qurl.real.gsm import Problem, load_generators, make_problems
 
-EASY_VERSION = 1  # bump when the code changes what the same settings produce
+EASY_VERSION = 2  # bump when the code changes what the same settings produce (2: transformers' sampling, fp32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,6 @@ class EasySettings:
     instances: int = 3  # problems per template
     samples: int = 4  # samples per problem, T = 1
     max_new_tokens: int = 160
-    quant: str = "int8"  # the rollout format of the recipe: the pass rate the sampler sees
     seed: int = 11  # instances measured: another seed than any file's
     min_passes: int = 1  # keep a template with at least this many correct samples
     version: int = EASY_VERSION
@@ -54,13 +53,13 @@ def _prompt(shot: Problem, question: str) -> list[dict[str, str]]:
     ]
 
 
-def pass_counts(model_dir: str, shot: Problem, templates: list[int], s: EasySettings) -> dict[int, int]:
-    """Correct samples per template out of instances x samples, all requests in one engine batch stream."""
-    from transformers import AutoTokenizer
+def pass_counts(model_dir: Path, shot: Problem, templates: list[int], s: EasySettings) -> dict[int, int]:
+    """Correct samples per template out of instances x samples: transformers' sampling at T = 1, batches of prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qurl.data import tokenize_prompts
     from qurl.rewards import gsm8k_reward
-    from rollout_server.engines import GenRequest, load_engine, run_to_completion
 
     generators = load_generators()
     problems = [
@@ -69,18 +68,36 @@ def pass_counts(model_dir: str, shot: Problem, templates: list[int], s: EasySett
         for p in make_problems(generators, [t], s.instances, s.seed * 1009 + t)  # one template: per-template draws
     ]
     tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     ids = tokenize_prompts(tok, [_prompt(shot, p.question) for p in problems])
-    engine = load_engine(model_dir, quant=s.quant, max_batch=32, max_seq_len=max(map(len, ids)) + s.max_new_tokens)
-    reqs = [
-        GenRequest(x, n=s.samples, max_new_tokens=s.max_new_tokens, stop_token_ids=[tok.eos_token_id], seed=s.seed + i)
-        for i, x in enumerate(ids)
-    ]
-    with tqdm(total=len(reqs) * s.samples, desc="easy templates", unit="sample", file=sys.stderr) as bar:
-        results = run_to_completion(engine, reqs, on_sample=bar.update)
+    torch.manual_seed(s.seed)
     counts = dict.fromkeys(templates, 0)
-    for p, res in zip(problems, results):
-        texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in res.samples]
-        counts[p.template] += int(sum(gsm8k_reward(text, p.answer) for text in texts))
+    batch = 8
+    with tqdm(total=len(ids) * s.samples, desc="easy templates", unit="sample", file=sys.stderr) as bar:
+        for i in range(0, len(ids), batch):
+            chunk = ids[i : i + batch]
+            width = max(map(len, chunk))
+            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in chunk])
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in chunk])
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=s.max_new_tokens,
+                    num_return_sequences=s.samples,
+                    eos_token_id=tok.eos_token_id,
+                    pad_token_id=pad,
+                )
+            texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
+            for j, text in enumerate(texts):
+                p = problems[i + j // s.samples]
+                counts[p.template] += int(gsm8k_reward(text, p.answer))
+            bar.update(len(texts))
     return counts
 
 
@@ -104,26 +121,25 @@ def write_fresh(out: Path, generators: dict, templates: list[int], recipe: dict,
 
 
 def measured_counts(
-    root: Path, out: Path, templates: list[int], shot: Problem, s: EasySettings
+    model_dir: Path, out: Path, templates: list[int], shot: Problem, s: EasySettings
 ) -> tuple[dict[int, int], float]:
     """pass_counts and its wall seconds, or their saved copy for these settings (easy-counts.json, written as soon
     as they are measured)."""
-    from qurl.real.prepare import MODEL_DIR
-
     saved = out / "easy-counts.json"
     if saved.is_file():
         cached = json.loads(saved.read_text())
         if cached.get("settings") == dataclasses.asdict(s) and set(map(int, cached["counts"])) == set(templates):
             return {int(t): n for t, n in cached["counts"].items()}, cached["wall_s"]
     start = time.perf_counter()
-    counts = pass_counts(str(root / MODEL_DIR), shot, templates, s)
+    counts = pass_counts(model_dir, shot, templates, s)
     wall_s = round(time.perf_counter() - start, 1)
     saved.write_text(json.dumps({"settings": dataclasses.asdict(s), "counts": counts, "wall_s": wall_s}) + "\n")
     return counts, wall_s
 
 
-def prepare_easy(root: Path, info: dict, s: EasySettings = EasySettings()) -> dict:
-    """Measure, filter and write the easy splits under root/gsm unless easy.json already holds these settings."""
+def prepare_easy(root: Path, info: dict, model_dir: Path, s: EasySettings = EasySettings()) -> dict:
+    """Measure the model at model_dir, filter and write the easy splits under root/gsm unless easy.json already holds
+    these settings."""
     out = root / "gsm"
     done = out / "easy.json"
     recipe = info["recipe"]
@@ -135,7 +151,7 @@ def prepare_easy(root: Path, info: dict, s: EasySettings = EasySettings()) -> di
             write_fresh(out, generators, cached["train_templates"], recipe, shot)
         return cached
     train_t, held_t = info["train_templates"], info["heldout_templates"]
-    counts, wall_s = measured_counts(root, out, train_t + held_t, shot, s)
+    counts, wall_s = measured_counts(model_dir, out, train_t + held_t, shot, s)
     kept_train = [t for t in train_t if counts[t] >= s.min_passes]
     kept_held = [t for t in held_t if counts[t] >= s.min_passes]
     if not kept_train:

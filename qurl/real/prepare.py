@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.easy:
         from qurl.real.easy import prepare_easy
 
-        easy = prepare_easy(root, info)
+        easy = prepare_easy(root, info, root / MODEL_DIR)
         print(
             f"easy splits ({easy['wall_s']:.0f} s to measure): gsm/train-easy.jsonl from "
             f"{len(easy['train_templates'])} of {len(info['train_templates'])} training templates "

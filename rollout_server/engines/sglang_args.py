@@ -7,8 +7,8 @@ import json
 import os
 from typing import Any
 
-from qurl import sglang_payload as payload
 from qurl.quant import FP8_BLOCK, INT8
+from qurl.wire import sglang_payload as payload
 from rollout_server.engines.sglang_fp8_loader import LOADER_PATH as FP8_LOADER_PATH
 from rollout_server.engines.sglang_int8_loader import LOADER_PATH
 

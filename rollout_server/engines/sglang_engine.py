@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from qurl import delta
-from qurl import sglang_payload as payload
 from qurl.quant import FP8_BLOCK, INT8, SCALE_SUFFIXES, SCHEMES, is_quantized_linear, quantize_state_dict
+from qurl.wire import delta
+from qurl.wire import sglang_payload as payload
 from rollout_server.engines import Completion, GenRequest, GenResult, check_names, run_to_completion
 from rollout_server.engines.sglang_args import engine_args, fp8_refit_problem
 from rollout_server.engines.sglang_fp8_loader import LOADER_PATH as FP8_LOADER_PATH
@@ -178,7 +178,7 @@ def apply_to_host(
     host: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta], checksum: str
 ) -> dict[str, torch.Tensor]:
     """Apply a delta push to the host copy; return what SGLang must load: every changed tensor, a code tensor with
-    its scale (the two travel as one unit), and tensors the host lacks as sent. Raises like qurl.delta.apply, host
+    its scale (the two travel as one unit), and tensors the host lacks as sent. Raises like qurl.wire.delta.apply, host
     unchanged."""
     touched = {name: t for name, t in whole.items() if name in host}
     delta.apply(host, touched, deltas, checksum)
@@ -355,10 +355,19 @@ class SGLangEngine:
         """
         check_push(self.expected, whole, partial=True)
         changed = apply_to_host(self.host, whole, deltas, checksum)
-        if not changed:  # nothing moved: SGLang refuses an empty update, and needs none
-            self._version = int(version)
+        if not changed:  # nothing moved: SGLang refuses an empty update; its weight version still moves
+            self._set_weight_version(version)
             return
         self._session(iter(payload.buckets(payload.named_tensors(changed, self.scheme), self.bucket_bytes)), version)
+
+    def _set_weight_version(self, version: int) -> None:
+        """SGLang labels each token with its weight version: move it without a weight update (nothing changed), so
+        the tokens that follow are not counted one version staler than they are."""
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
+        request = UpdateWeightVersionReqInput(new_version=str(int(version)), abort_all_requests=False)
+        self._loop.run_until_complete(self._tm.update_weight_version(request))
+        self._version = int(version)
 
     def _checkpoint_buckets(self, path: str) -> Iterator[payload.Named]:
         """Version 0 from the checkpoint, one safetensors file at a time, quantized like the learner's pushes."""

@@ -14,8 +14,8 @@ from collections.abc import Hashable
 
 import torch
 
-from qurl import delta
 from qurl.quant import Scheme, quantize_state_dict
+from qurl.wire import delta
 from rollout_server.engines import Completion, GenRequest, GenResult, check_names, run_to_completion
 from rollout_server.engines.model import ModelConfig, Transformer, load_safetensors
 from rollout_server.engines.sampling import sample
@@ -250,7 +250,7 @@ class TorchEngine:
     def apply_delta(
         self, whole: dict[str, torch.Tensor], deltas: dict[str, delta.Delta], version: int, checksum: str
     ) -> None:
-        """Apply a delta push (qurl.delta.split_push) in place as `version`; all or nothing, proven by `checksum`."""
+        """Apply a delta push (qurl.wire.delta.split_push) in place as `version`: all or nothing, proven by checksum."""
         with torch.inference_mode():
             delta.apply(self._weights, whole, deltas, checksum)
             self.model.repack([*whole, *deltas])

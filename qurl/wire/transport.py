@@ -1,4 +1,4 @@
-"""ZeroMQ for qurl.protocol: safe defaults, stamped sends, a receiver that survives bad input."""
+"""ZeroMQ for qurl.wire.protocol: safe defaults, stamped sends, a receiver that survives bad input."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import zmq
 
 from qurl.config import is_loopback_host
-from qurl.frames import ProtocolError, ReplayGuard
-from qurl.protocol import Message, decode, encode
+from qurl.wire.frames import ProtocolError, ReplayGuard
+from qurl.wire.protocol import Message, decode, encode
 
 log = logging.getLogger(__name__)
 

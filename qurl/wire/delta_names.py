@@ -1,9 +1,9 @@
-"""How a delta push names its entries, and the rule they follow (design.md section 5, qurl/delta.py).
+"""How a delta push names its entries, and the rule they follow (design.md section 5, qurl/wire/delta.py).
 
 A delta push names a changed tensor X as "X@val" (the new elements, X's dtype) plus where they go: either "X@idx"
 (strictly increasing flat int32 / int64 indices) or "X@mask" (uint8, one bit per flat element from element 0, least
-significant bit first, as many bytes as reach the last change); tensors sent whole keep their name. qurl/delta.py
-builds and applies such pushes; this module sits below qurl/protocol.py, whose WeightPush checks every push with
+significant bit first, as many bytes as reach the last change); tensors sent whole keep their name. qurl/wire/delta.py
+builds and applies such pushes; this module sits below qurl/wire/protocol.py, whose WeightPush checks every push with
 `check_entries`, so a decoded push has passed it. Needs only numpy.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from qurl.frames import BadField, WireTensor
+from qurl.wire.frames import BadField, WireTensor
 
 DELTA_INDEX, DELTA_MASK, DELTA_VALUES = "@idx", "@mask", "@val"
 INDEX_DTYPES = ("int32", "int64")

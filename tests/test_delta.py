@@ -1,71 +1,30 @@
-"""Delta weight pushes (issues 11, 20): what a delta carries, how servers apply it, and how they heal.
+"""qurl/wire/delta.py: delta weight pushes (issues 11, 20), what a delta carries and what applying one proves.
 
-Unit level on the demo model: a delta decoded from the wire rebuilds the full push bit for bit; an engine after
-N deltas equals an engine after one full push of the same version, in the same buffers; a bad delta (wrong base,
-corrupted values, out-of-range indices) changes nothing; malformed delta frames are ProtocolErrors; the learner's
-sender honours sync.full_every; the SGLang adapter's host copy forwards exactly the changed units; a bf16 engine at
-lr 1e-6 takes every tensor (embeddings, norms too) as small exact deltas, refuses a corrupted one by checksum, and an
-fp32 engine's unquantized tensors go whole where that is smaller. End to end: a
-real rollout server process against the learner's real WeightSender detects a corrupted delta and a missed
-version, asks for a full push, and is healed by it.
+On the demo model: a delta decoded from the wire rebuilds the full push bit for bit; a bad delta (wrong base,
+corrupted values, out-of-range indices) changes nothing; malformed delta frames are ProtocolErrors; the SGLang
+adapter's host copy forwards exactly the changed units; the checksum covers every tensor; an fp32 engine's
+unquantized tensors go whole where that is smaller, a bf16 engine's travel as small deltas and a corrupted one is
+refused by checksum. How a server applies them in order and heals: tests/test_weight_receiver.py.
 """
 
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import zmq
 from test_protocol import _edit_header, dec, enc, header_of, rebuild
-from transformers import AutoModelForCausalLM
 
-from learner.budget import Budget
-from learner.control_plane import ControlPlane
-from learner.publisher import engine_tensors
-from learner.weight_sender import WeightSender
-from qurl import delta, sglang_payload, transport
-from qurl.frames import BadField, BadFrame, from_torch
-from qurl.protocol import Status, WeightPush, decode, encode
-from qurl.quant import quantize_state_dict
-from rollout_server.engines import GenRequest, load_engine
+from qurl.wire import delta, sglang_payload
+from qurl.wire.frames import BadField, BadFrame, from_torch
+from qurl.wire.protocol import WeightPush, decode, encode
+from rollout_server.engines import load_engine
 from rollout_server.engines import sglang_engine as se
-from rollout_server.weights import WeightReceiver
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = str(Path(sys.executable).parent / "qurl-rollout-server")
-STEP = 3e-5  # per-version weight move: a few percent of int8 codes change, as after a real optimizer step
-
-
-@pytest.fixture(scope="module")
-def model_dir(demo_dir) -> str:
-    return str(Path(demo_dir) / "model")
-
-
-def engine_state(model_dir: str) -> dict[str, torch.Tensor]:
-    """The demo checkpoint's tensors that the engine loads (a tied lm_head left out), as fresh copies."""
-    names = set(load_engine(model_dir, quant="int8", max_batch=1, max_seq_len=16).weights)
-    return {
-        k: v.detach().clone()
-        for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()
-        if k in names
-    }
-
-
-@pytest.fixture(scope="module")
-def trajectory(model_dir):
-    """scheme -> quantized engine tensors of versions 0..6, the weights moving by STEP per version."""
-    state = engine_state(model_dir)
-    gen = torch.Generator().manual_seed(0)
-    states = []
-    for _ in range(7):
-        states.append({k: v.clone() for k, v in state.items()})
-        for v in state.values():
-            v.add_(STEP * torch.randn(v.shape, generator=gen))
-    return {scheme: [quantize_state_dict(s, scheme) for s in states] for scheme in ("int8", "fp8-block")}
 
 
 def wire(push: WeightPush) -> WeightPush:
@@ -122,36 +81,6 @@ def test_delta_round_trip_equals_the_full_push_bit_for_bit(trajectory, scheme):
         f"{scheme}: {changed / total:.3%} of codes changed; "
         f"delta {nbytes(push)} B, full {nbytes(full_of(v1, 1, scheme))} B"
     )
-
-
-def test_engine_after_deltas_equals_engine_after_a_full_push(model_dir, trajectory):
-    versions = trajectory["int8"]
-    a = load_engine(model_dir, quant="int8", max_batch=2, max_seq_len=32)
-    b = load_engine(model_dir, quant="int8", max_batch=2, max_seq_len=32)
-    ptrs = {k: v.data_ptr() for k, v in a.weights.items()}
-    requests = []
-    receiver = WeightReceiver(
-        a,
-        "int8",
-        {"weight_pushes_applied": 0, "weight_pushes_rejected": 0, "weight_pushes_ignored": 0},
-        lambda: requests.append(a.version),
-    )
-    receiver.apply([wire(full_of(versions[1], 1))])
-    # out of order and with a repeat: the receiver sorts and applies each version once
-    receiver.apply([wire(delta_of(versions[v - 1], versions[v], v)) for v in (3, 2, 4, 2)])
-    assert a.version == 4 and receiver.counters["weight_deltas_applied"] == 3 and not requests
-    b.update_weights({k: v.clone() for k, v in versions[4].items()}, 4)
-    assert same(a.weights, b.weights) and same(a.weights, versions[4])
-    assert ptrs == {k: v.data_ptr() for k, v in a.weights.items()}, "a delta must write into the existing buffers"
-    req = [GenRequest([3, 5, 7, 11], n=1, max_new_tokens=6, temperature=0)]
-    assert a.generate(req)[0].samples[0].logprobs == b.generate(req)[0].samples[0].logprobs  # derived copies too
-
-    # a missed version: the delta for 6 does not apply on 4; the receiver asks for a full push, changes nothing
-    receiver.apply([wire(delta_of(versions[5], versions[6], 6))])
-    assert a.version == 4 and same(a.weights, versions[4]) and requests == [4] and receiver.need_full
-    assert receiver.counters["weight_deltas_without_base"] == 1
-    receiver.apply([wire(full_of(versions[6], 6))])
-    assert a.version == 6 and same(a.weights, versions[6]) and not receiver.need_full
 
 
 def test_a_bad_delta_changes_nothing(model_dir, trajectory):
@@ -260,74 +189,6 @@ def test_negative_delta_index_is_a_protocol_error():
         WeightPush(version=2, scheme="int8", tensors=tensors, mode="delta", checksum=push.checksum)
 
 
-def test_sender_honours_full_every(trajectory):
-    versions = trajectory["int8"]
-    ctx = zmq.Context()
-    try:
-        pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-        router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-
-        def sender(full_every: int, scheme: str = "int8") -> WeightSender:
-            plane = ControlPlane(
-                transport.Sender(pub, "learner"),
-                transport.Receiver(router, secret=None, max_bytes=1 << 20),
-                transport.Sender(router, "learner"),
-                budget=Budget(0, 1, lambda: (0, {})),
-            )
-            return WeightSender(plane, scheme, full_every=full_every)
-
-        s = sender(3)
-        modes = [s.build(v, versions[v])[0].mode for v in range(1, 7)]
-        assert modes == ["full", "delta", "full", "delta", "delta", "full"]  # v1: nothing to build on
-        push, stats = s.build(7, versions[0])  # a lagging server gets the whole current version
-        assert s.plane._full.mode == "full" and s.plane._full.version == 7 and stats.mode == "delta"
-        assert stats.bytes == nbytes(push) < stats.full_bytes == nbytes(s.plane._full)
-        assert [sender(1).build(v, versions[v])[0].mode for v in (1, 2, 3)] == ["full"] * 3
-        s = sender(3)
-        s.build(1, versions[1])
-        assert s.build(5, versions[2])[0].mode == "full"  # not built on the version before: whole
-        plain = {k: v for k, v in versions[1].items() if v.is_floating_point() and not k.endswith("_scale")}
-        s = sender(10, "none")
-        assert [s.build(v, plain)[0].mode for v in (1, 2)] == ["full", "full"]  # no codes: nothing to delta
-    finally:
-        ctx.destroy(linger=0)
-
-
-def test_a_heartbeat_lagging_just_after_a_push_gets_no_full_repush(trajectory):
-    """Heartbeats sent before a delta landed must not each bring a full push; a hello or a request does."""
-    versions = trajectory["int8"]
-    ctx = zmq.Context()
-    try:
-        pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-        router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-        plane = ControlPlane(
-            transport.Sender(pub, "learner"),
-            transport.Receiver(router, secret=None, max_bytes=1 << 20),
-            transport.Sender(router, "learner"),
-            budget=Budget(0, 1, lambda: (0, {})),
-        )
-        sender = WeightSender(plane, "int8", full_every=10)
-        plane.start()
-        dealer = transport.connect(ctx, zmq.DEALER, router.last_endpoint.decode(), max_bytes=1 << 20)
-        tx, rx = transport.Sender(dealer, "srv"), transport.Receiver(dealer, secret=None, max_bytes=1 << 20)
-
-        def say(kind: str, version: int) -> None:
-            """Send, then wait for the reply to a current heartbeat: the control thread is done with `kind`."""
-            tx.send(Status(type=kind, server_id="srv", version=version))
-            tx.send(Status(type="heartbeat", server_id="srv", version=2))
-            assert rx.recv(timeout_ms=5000).type == "reply" and rx.recv(timeout_ms=5000).type == "reply"
-
-        sender.publish(1, versions[1])
-        sender.publish(2, versions[2])
-        say("heartbeat", 1)
-        assert plane.repushes == 0
-        say("resend_weights", 1)
-        assert plane.repushes == 1
-        plane.close()
-    finally:
-        ctx.destroy(linger=0)
-
-
 @pytest.mark.parametrize("scheme", ["int8", "fp8-block"])
 def test_sglang_host_copy_forwards_changed_units(model_dir, trajectory, scheme):
     versions = trajectory[scheme]
@@ -389,47 +250,11 @@ def test_fp32_unquantized_tensors_go_whole_where_that_is_smaller(trajectory):
 
 # -- a bf16 engine at an RL learning rate: the unquantized tensors travel as small deltas ---------------------------
 
-LR = 1e-6
-
-
-@pytest.fixture(scope="module")
-def bf16_versions(model_dir):
-    """int8 engine tensors of versions 0..6 as the learner builds them for a bf16 engine, weights moving by LR
-    per version with Adam's step shape (every element, by about the learning rate)."""
-    state = engine_state(model_dir)
-    gen = torch.Generator().manual_seed(1)
-    versions = []
-    for _ in range(7):
-        versions.append(engine_tensors(dict(state), "int8", 8, torch.bfloat16, tied=False))
-        for v in state.values():
-            v.sub_(LR * torch.sign(torch.randn(v.shape, generator=gen)))
-    return versions
-
 
 def _bf16_engine(model_dir, versions):
     engine = load_engine(model_dir, quant="int8", dtype="bfloat16", max_batch=2, max_seq_len=32)
     engine.update_weights({k: v.clone() for k, v in versions[1].items()}, 1)
     return engine
-
-
-def test_bf16_engine_takes_small_exact_deltas_of_every_tensor(model_dir, bf16_versions):
-    versions = bf16_versions
-    engine = _bf16_engine(model_dir, versions)
-    ptrs = {k: v.data_ptr() for k, v in engine.weights.items()}
-    counters = {"weight_pushes_applied": 0, "weight_pushes_rejected": 0, "weight_pushes_ignored": 0}
-    receiver = WeightReceiver(engine, "int8", counters, lambda: pytest.fail("no full push should be needed"))
-    embed = "model.embed_tokens.weight"
-    for v in range(2, 7):
-        push = wire(delta_of(versions[v - 1], versions[v], v))
-        bf16 = {k for k, t in versions[v].items() if t.dtype == torch.bfloat16}
-        assert not bf16 & set(push.tensors), "no unquantized bf16 tensor travels whole at this learning rate"
-        _, deltas = delta.split_push(push)
-        assert embed in deltas and deltas[embed].indices.numel() < 0.05 * versions[v][embed].numel()
-        assert nbytes(push) <= 0.10 * nbytes(full_of(versions[v], v)), (nbytes(push), nbytes(full_of(versions[v], v)))
-        receiver.apply([push])
-        assert engine.version == v and same(engine.weights, versions[v]), f"version {v} not bit-equal"
-    assert counters["weight_deltas_applied"] == 5 and counters["weight_pushes_rejected"] == 0
-    assert ptrs == {k: t.data_ptr() for k, t in engine.weights.items()}
 
 
 def test_bf16_corrupted_unquantized_tensor_is_refused_by_checksum(model_dir, bf16_versions):
@@ -451,105 +276,6 @@ def test_bf16_corrupted_unquantized_tensor_is_refused_by_checksum(model_dir, bf1
     assert engine.version == 1 and same(engine.weights, before)
     engine.apply_delta(whole, deltas, 2, delta.checksum(versions[2]))
     assert engine.version == 2 and same(engine.weights, versions[2])
-
-
-# -- end to end: a real server process, the learner's real WeightSender and ControlPlane -----------------------------
-
-
-def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, trajectory, tmp_path):
-    versions = trajectory["int8"]
-    ctx = zmq.Context()
-    pull = transport.bind(ctx, zmq.PULL, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 26)
-    pub = transport.bind(ctx, zmq.PUB, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20, hwm=4)
-    router = transport.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", secret=None, max_bytes=1 << 20)
-    plane = ControlPlane(
-        transport.Sender(pub, "learner"),
-        transport.Receiver(router, secret=None, max_bytes=1 << 20),
-        transport.Sender(router, "learner"),
-        budget=Budget(0, 1, lambda: (0, {})),
-    )
-    sender = WeightSender(plane, "int8", full_every=100)
-    plane.start()
-    endpoints = [
-        f"transport.{n}={s.last_endpoint.decode()}"
-        for n, s in (("trajectories", pull), ("weights", pub), ("control", router))
-    ]
-    demo = Path(demo_dir)
-    log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                SERVER,
-                "--config",
-                str(ROOT / "configs/demo-cpu.yaml"),
-                f"model.path={demo / 'model'}",
-                f"data.train_files=[{demo / 'train.jsonl'}]",
-                "data.eval_files=[]",
-                f"run.dir={tmp_path / 'run'}",
-                "rollout.quant=int8",
-                "train.batch_prompts=1",
-                "async.max_staleness=0",
-                "rollout.n_samples=2",
-                "rollout.sampling.max_new_tokens=4",
-                "reward.workers=1",
-                "log.interval_s=1",
-                *endpoints,
-            ],
-            cwd=ROOT,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def wait(what: str, until, timeout_s: float = 60) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"server exited with {proc.returncode}"
-            server = next(iter(plane.servers.values()), None)
-            if server is not None and until(server):
-                return server.counters
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}; last counters {server and server.counters}")
-
-    try:
-        wait("hello", lambda s: True, timeout_s=90)
-        for v in (1, 2, 3):
-            sender.publish(v, versions[v])
-            wait(f"version {v}", lambda s, v=v: s.version == v)
-        c = wait("counters of version 3", lambda s: s.counters.get("weight_deltas_applied") == 2)
-        assert c["weight_checksum_mismatches"] == 0 and c["weight_pushes_applied"] == 3
-
-        push, _ = sender.build(4, versions[4])  # the sender now holds the true version 4; the server gets a corrupt one
-        whole, deltas = delta.split_push(push)
-        name = next(iter(deltas))
-        values = deltas[name].values.clone()
-        values[0] = 127 if values[0] != 127 else -127
-        sender.send(
-            delta.delta_push(
-                4, "int8", whole, {**deltas, name: delta.Delta(deltas[name].indices, values)}, push.checksum
-            )
-        )
-        c = wait("the full push after a checksum mismatch", lambda s: s.version == 4)
-        assert c["weight_checksum_mismatches"] == 1 and c["weight_full_requests"] >= 1
-        assert c["weight_deltas_applied"] == 2 and c["weight_pushes_applied"] == 4
-
-        sender.build(5, versions[5])  # built but never sent: the server misses version 5
-        sender.publish(6, versions[6])
-        c = wait("the full push after a missed version", lambda s: s.version == 6)
-        assert c["weight_deltas_without_base"] == 1 and c["weight_checksum_mismatches"] == 1
-        sender.publish(7, versions[0])  # and the healed base carries deltas again
-        c = wait("a delta on the healed base", lambda s: s.counters.get("weight_deltas_applied") == 3)
-        assert c["weight_checksum_mismatches"] == 1 and c["weight_pushes_rejected"] == 1
-        print(f"server counters: {c}; sender repushes {plane.repushes}")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        plane.close()
-        ctx.destroy(linger=0)
-        print(log_path.read_text()[-3000:])
 
 
 def test_sync_benchmark_quick(tmp_path):
@@ -579,4 +305,4 @@ def test_sync_benchmark_quick(tmp_path):
     assert set(report["ratios"]) == {
         f"{m}/s{s}/changed_{p}" for m in ("demo", "qwen2-random-quick") for s in ("1.5", "2") for p in ("qkv", "other")
     }
-    assert {r["hash"] for r in report["rows"] if r["kind"] == "checksum"} >= {"qurl.delta.checksum", "blake2b-128"}
+    assert {r["hash"] for r in report["rows"] if r["kind"] == "checksum"} >= {"qurl.wire.delta.checksum", "blake2b-128"}

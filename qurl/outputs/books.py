@@ -5,7 +5,7 @@ Evidence, from three independent sources:
   `logs/books/<server_id>.json` when it exits cleanly: generated, sent, bad_groups (refused by the wire
   codec before sending) and unsent (scored or scoring, not yet handed to the socket);
 - the learner's wire tally per (server, session): messages accepted and the highest sequence number
-  seen (qurl.protocol stamps every message with a per-socket sequence number, so a missing number is
+  seen (qurl.wire.protocol stamps every message with a per-socket sequence number, so a missing number is
   a specific group that never arrived);
 - the learner's buffer counters: received, used, dropped (stale, filter, invalid = rejected, restart)
   and the groups still buffered. The learner checkpoints its ledger, so a resume keeps the books.

@@ -12,7 +12,7 @@ A message is a list of frames:
 No pickle, no eval: headers are JSON, payloads are raw arrays of allow-listed dtypes. bfloat16 and
 float8_e4m3fn travel as raw 2-byte / 1-byte words; numpy holds them as uint16 / uint8 next to
 their logical dtype name (`WireTensor`), and `to_torch` / `from_torch` reinterpret without a copy.
-This module knows no message kind (qurl/protocol.py declares those) and needs only numpy.
+This module knows no message kind (qurl/wire/protocol.py declares those) and needs only numpy.
 
 Replay protection: every sender stamps its messages with its id, a random per-socket session
 nonce and a sequence number that rises with each message (gaps are fine: PUB/SUB may drop).

@@ -9,7 +9,7 @@ smaller. Every such push carries `checksum` of the resulting state, every tensor
 buffers equal the learner's. A push of `none` (no codes) is always full and its checksum covers nothing: a delta
 base on an SGLang server would be a host copy of the whole model per replica (design.md section 5).
 A delta applies only on top of exactly V-1 (the server checks its version); `apply` is all or nothing.
-How the entries are named (X@val with X@idx or X@mask), and the rule every push is checked by: qurl/delta_names.py.
+How the entries are named (X@val with X@idx or X@mask), and the rule every push is checked by: qurl/wire/delta_names.py.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from qurl.delta_names import DELTA_INDEX, DELTA_MASK, DELTA_VALUES
-from qurl.frames import BadFrame, ProtocolError, WireTensor, from_torch, to_torch
-from qurl.protocol import WeightPush
 from qurl.quant import CODE_DTYPES
+from qurl.wire.delta_names import DELTA_INDEX, DELTA_MASK, DELTA_VALUES
+from qurl.wire.frames import BadFrame, ProtocolError, WireTensor, from_torch, to_torch
+from qurl.wire.protocol import WeightPush
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # compare bit patterns, not values
 

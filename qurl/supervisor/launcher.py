@@ -14,13 +14,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from qurl import books, checkpoint_files, environment, preflight, run_folder
-from qurl.checkpoint_files import step_dirs
-from qurl.cli import EXIT_DIVERGED, EXIT_FAULT, EXIT_INPUT, die_with_parent, parse
 from qurl.config import ConfigError, get, run_dir, to_yaml
-from qurl.layout import REPLACES_ENV, plan
-from qurl.metrics import truncate_after
-from qurl.report import (
+from qurl.outputs import books, checkpoint_files
+from qurl.outputs.checkpoint_files import step_dirs
+from qurl.outputs.metrics import truncate_after
+from qurl.outputs.report import (
     NO_ANSWER_STEPS,
     NO_SIGNAL_STEPS,
     no_answer_streak,
@@ -30,6 +28,9 @@ from qurl.report import (
     write_summary,
 )
 from qurl.rewards import BUILTIN
+from qurl.supervisor import environment, preflight, run_folder
+from qurl.supervisor.cli import EXIT_DIVERGED, EXIT_FAULT, EXIT_INPUT, die_with_parent, parse
+from qurl.supervisor.layout import REPLACES_ENV, plan
 
 PROG = "qurl-async"
 
@@ -134,7 +135,7 @@ def node_gpus(cfg: DictConfig) -> tuple[int | None, list[str] | None]:
 def build_children(
     cfg: DictConfig, config_path: str, out: str, available_gpus: int | None = None, visible: list[str] | None = None
 ) -> tuple[Child, list[Child]]:
-    """The learner (it spawns its own ranks) and the rollout servers, as qurl.layout.plan places them."""
+    """The learner (it spawns its own ranks) and the rollout servers, as qurl.supervisor.layout.plan places them."""
     learner_plan, *server_plans = plan(cfg, available_gpus, visible)
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not cfg.cluster.learner_gpus:

@@ -14,8 +14,8 @@ import socket
 import time
 from typing import IO
 
-from qurl.checkpoint_files import step_dirs
-from qurl.report import read_metrics
+from qurl.outputs.checkpoint_files import step_dirs
+from qurl.outputs.report import read_metrics
 
 LOCK_NAME = ".qurl-lock"
 

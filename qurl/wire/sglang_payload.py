@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from qurl.frames import BadField, BadFrame, check_shape, check_str
 from qurl.quant import SCALE_SUFFIXES, SCHEMES, is_quantized_linear
+from qurl.wire.frames import BadField, BadFrame, check_shape, check_str
 
 REFIT = tuple(name for name, s in SCHEMES.items() if s.sglang)  # the schemes SGLang refits in place
 UPDATE_BUCKET_BYTES = 256 << 20  # one SGLang weight update: a flattened CUDA buffer or one NCCL broadcast
