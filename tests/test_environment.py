@@ -10,8 +10,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from test_async import start
-from test_hostile import refusal
+from launch import refusal, start
 
 from qurl.supervisor.environment import checkpoint_bytes, driver_problem, model_tensors, push_bytes
 

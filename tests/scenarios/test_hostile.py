@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_async import QURL_ASYNC, ROOT, demo_overrides, finish, start, wait_for_step
+from launch import QURL_ASYNC, ROOT, demo_overrides, finish, refusal, start, wait_for_step
 
 from qurl.outputs.report import read_metrics
 
@@ -25,13 +25,6 @@ EXIT_INPUT, EXIT_DIVERGED = 2, 3
 def launch(demo_dir, run_dir, steps, *extra, timeout=300) -> tuple[int, str]:
     """One qurl-async run to its end: (exit code, console output)."""
     return finish(start(demo_dir, run_dir, steps, *extra), timeout=timeout)
-
-
-def refusal(out: str) -> str:
-    """The console output of a refused start, which must be exactly one line."""
-    lines = [line for line in out.splitlines() if line.strip()]
-    assert len(lines) == 1, out
-    return lines[0]
 
 
 def digest(path: Path) -> str:

@@ -3,74 +3,12 @@
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
+from launch import ROOT, descendants_alive, finish, start, wait_for_step
 
 from qurl.outputs.metrics import CONTRACT_KEYS
 from qurl.outputs.report import read_metrics
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QURL_ASYNC = os.path.join(os.path.dirname(sys.executable), "qurl-async")
-SMALL = [
-    "train.batch_prompts=4",
-    "rollout.n_samples=4",
-    "eval.max_problems=32",
-    "checkpoint.every=2",
-    "log.interval_s=2",
-    "reward.timeout_s=5",
-]
-
-
-def demo_overrides(demo_dir, run_dir, steps):
-    return [
-        f"model.path={demo_dir}/model",
-        f"data.train_files=[{demo_dir}/train.jsonl]",
-        f"data.eval_files=[{demo_dir}/heldout.jsonl]",
-        f"run.dir={run_dir}",
-        f"train.steps={steps}",
-        *SMALL,
-    ]
-
-
-def start(demo_dir, run_dir, steps, *extra):
-    cmd = [QURL_ASYNC, "--config", "configs/demo-cpu.yaml", *demo_overrides(demo_dir, run_dir, steps), *extra]
-    return subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-
-
-def finish(proc, timeout=300):
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out
-
-
-def descendants_alive(pgid: int) -> list[int]:
-    """Processes still in the launcher's session (children run in sessions of their own, so check by cmdline too)."""
-    alive = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[3]) == pgid or int(fields[4]) == pgid:
-                alive.append(int(pid))
-        except (OSError, IndexError):
-            continue
-    return alive
-
-
-def wait_for_step(run_dir, step, timeout=240):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-        if any(r.get("step", 0) >= step for r in rows):
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"no step {step} within {timeout} s")
 
 
 def test_demo_run_writes_every_output(demo_dir, tmp_path):
@@ -151,6 +89,7 @@ def test_killed_rollout_server_is_restarted(demo_dir, tmp_path):
     assert summary["steps"] == 12 and summary["restarts"]["rollout-0"] == 1
 
 
+@pytest.mark.slow  # ~25 s; resume is also checked exactly in test_learner.py: the default suite stays under 10 minutes
 def test_sigint_is_a_clean_stop_and_resume_finishes(demo_dir, tmp_path):
     run_dir = tmp_path / "int"
     proc = start(demo_dir, run_dir, 40)

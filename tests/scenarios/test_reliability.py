@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from test_async import demo_overrides, finish, start, wait_for_step
+from launch import demo_overrides, finish, start, wait_for_step
 
 from qurl.outputs import books
 from qurl.outputs.report import read_metrics
 from qurl.wire import transport
 from qurl.wire.protocol import Status, encode
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 

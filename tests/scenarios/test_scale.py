@@ -14,8 +14,8 @@ import time
 
 import pytest
 import torch
+from launch import ROOT, demo_overrides, finish, start
 from safetensors.torch import load_file
-from test_async import ROOT, demo_overrides, finish, start
 
 from qurl.outputs.report import read_metrics
 from qurl.supervisor.launcher import free_port
