@@ -245,7 +245,7 @@ def test_quantized_version_zero_pushes_and_deltas_land_in_place(scheme, qwen, tm
 
 def test_qurl_async_with_sglang_trains_and_a_killed_server_restarts(demo_dir, tmp_path):
     """The whole pipeline on SGLang (fp32): learner pushes over ZeroMQ into the engine; SIGKILL, restart, resume."""
-    from test_async import finish, start, wait_for_step
+    from launch import finish, start, wait_for_step
 
     from qurl.outputs.report import read_metrics
 
@@ -268,7 +268,7 @@ def test_qurl_async_with_sglang_trains_and_a_killed_server_restarts(demo_dir, tm
 
 def test_qurl_async_with_sglang_int8_pushes_through_our_loader(demo_dir, tmp_path):
     """INT8 rollout on SGLang (stand-in matmul, bf16): full and delta pushes through the custom loader."""
-    from test_async import finish, start
+    from launch import finish, start
 
     from qurl.outputs.report import read_metrics
 
