@@ -2,14 +2,19 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo real lint test test-slow test-all test-sglang
+.PHONY: demo real real-gsm lint test test-slow test-all test-sglang
 
 demo:
 	@bash scripts/setup.sh
 	$(BIN)/qurl-prepare-demo
 	$(BIN)/qurl-async --config configs/demo-cpu.yaml run.name=demo-cpu-$$(date +%Y%m%d-%H%M%S)
 
-real:  # the real track: SmolLM2-135M-Instruct learns GSM-Symbolic math on CPU (README)
+real:  # the real track: SmolLM2-135M-Instruct, warm-started on reasoning-gym arithmetic, learns with INT8 rollout (README)
+	@bash scripts/setup.sh real
+	$(BIN)/qurl-prepare-real --gym configs/tasks/gym-arith.yaml
+	$(BIN)/qurl-async --config configs/smollm2-gym-cpu.yaml run.name=smollm2-gym-cpu-$$(date +%Y%m%d-%H%M%S)
+
+real-gsm:  # the hard track: the same model on GSM-Symbolic word problems (README: where it stands)
 	@bash scripts/setup.sh real
 	$(BIN)/qurl-prepare-real
 	$(BIN)/qurl-async --config configs/smollm2-gsm-cpu.yaml run.name=smollm2-gsm-cpu-$$(date +%Y%m%d-%H%M%S)

