@@ -9,7 +9,7 @@ demo:
 	$(BIN)/qurl-prepare-demo
 	$(BIN)/qurl-async --config configs/demo-cpu.yaml run.name=demo-cpu-$$(date +%Y%m%d-%H%M%S)
 
-real:  # the real track: SmolLM2-135M-Instruct, warm-started on reasoning-gym arithmetic, learns with INT8 rollout (README)
+real:  # the real track: SmolLM2-135M-Instruct, warm-started on reasoning-gym arithmetic, then RL with INT8 rollout (README)
 	@bash scripts/setup.sh real
 	$(BIN)/qurl-prepare-real --gym configs/tasks/gym-arith.yaml
 	$(BIN)/qurl-async --config configs/smollm2-gym-cpu.yaml run.name=smollm2-gym-cpu-$$(date +%Y%m%d-%H%M%S)

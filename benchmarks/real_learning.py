@@ -48,6 +48,15 @@ def with_time(points: list[list[float]], seconds: dict[int, float]) -> list[list
     return [[v, round(seconds.get(int(v), 0.0), 1), a] for v, a in points]
 
 
+def cut(row: dict, steps: int) -> dict:
+    """The row up to learner step `steps`: a longer run (the recipe's own `make real` run) compared at this horizon."""
+    keep = [i for i, step in enumerate(row["curves"]["step"]) if step <= steps]
+    row["curves"] = {k: [v[i] for i in keep] for k, v in row["curves"].items()}
+    row["evals"] = {k: [p for p in v if p[0] <= steps] for k, v in row["evals"].items()}
+    row["steps"] = min(row["steps"], steps)
+    return row
+
+
 def reach(points: list[list[float]], target: float) -> float | None:
     """Seconds at the first evaluation at or above target, or None."""
     return next((t for _, t, a in points if a >= target), None)
@@ -106,7 +115,7 @@ def plot(rows: list[dict], path: str, target: float) -> None:
                 axes[2 + 2 * i].plot([p[1] / 60 for p in pts], [p[2] for p in pts], style + "o", color=color)
     titles = [
         "train reward (trailing mean of 10 steps)",
-        "held-out greedy accuracy, learner (fp32) vs step",
+        "held-out greedy accuracy, learner (fp32 weights) vs step",
         "the same vs wall-clock minutes of RL",
         "held-out greedy accuracy, rollout engine vs step",
         "the same vs wall-clock minutes of RL",
@@ -151,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = [] if args.report else run_all(runs, desc="real-learning", lock=args.lock)
     rows = []
     for run in runs:
-        row = read_run(run)
+        row = cut(read_run(run), args.steps)
         if not row["steps"]:
             continue
-        row["seconds"] = clock(run.dir)
+        row["seconds"] = {k: v for k, v in clock(run.dir).items() if k <= args.steps}
         row["timed"] = {k: with_time(v, row["seconds"]) for k, v in row["evals"].items()}
         rows.append(row)
     result = {
