@@ -215,6 +215,21 @@ def tokenize_prompts(tokenizer: Any, conversations: list[list[dict[str, str]]]) 
     return out
 
 
+def sft_batch(prompts: list[list[int]], responses: list[list[int]], eos: int, pad: int) -> tuple[Any, Any, Any]:
+    """Right-padded ids of prompt + response + eos, labels on the response and its eos only (-100 elsewhere), lengths:
+    the supervised warm starts' one layout."""
+    import torch
+
+    seqs = [p + r + [eos] for p, r in zip(prompts, responses)]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad)
+    labels = torch.full((len(seqs), width), -100)
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        labels[i, len(p) : len(s)] = ids[i, len(p) : len(s)]
+    return ids, labels, torch.tensor([len(s) for s in seqs])
+
+
 class PromptDataset:
     """Prompts drawn without replacement in a seeded per-epoch shuffle, with a resumable cursor.
 

@@ -128,19 +128,12 @@ def _sft_tensors(
     tokenizer: PreTrainedTokenizerBase, examples: list[tasks.Example]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids, labels masked to the response (+ end of turn), and lengths."""
-    import torch
+    from qurl.data import sft_batch
 
     eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
     prompts = chat_prompts(tokenizer, [e.problem for e in examples])
     responses = tokenizer([e.response for e in examples], add_special_tokens=False)["input_ids"]
-    seqs = [p + r + [eos] for p, r in zip(prompts, responses)]
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad)
-    labels = torch.full((len(seqs), width), -100)
-    for i, (p, s) in enumerate(zip(prompts, seqs)):
-        ids[i, : len(s)] = torch.tensor(s)
-        labels[i, len(p) : len(s)] = ids[i, len(p) : len(s)]
-    return ids, labels, torch.tensor([len(s) for s in seqs])
+    return sft_batch(prompts, responses, eos, pad)
 
 
 def _write_jsonl(path: Path, examples: list[tasks.Example]) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from qurl.data import tokenize_prompts
+from qurl.data import sft_batch, tokenize_prompts
 from qurl.real.gym import gold
 
 
@@ -44,19 +44,10 @@ def target_text(entry: dict) -> str:
 
 def sft_tensors(tokenizer: Any, rows: list[dict]) -> tuple[Any, Any, Any]:
     """Right-padded ids, labels on the response and its end token only, and lengths."""
-    import torch
-
     eos = tokenizer.eos_token_id
     prompts = tokenize_prompts(tokenizer, [r["prompt"] for r in rows])
     answers = tokenizer([target_text(gold(r)[1]) for r in rows], add_special_tokens=False)["input_ids"]
-    seqs = [p + a + [eos] for p, a in zip(prompts, answers)]
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
-    labels = torch.full((len(seqs), width), -100)
-    for i, (p, s) in enumerate(zip(prompts, seqs)):
-        ids[i, : len(s)] = torch.tensor(s)
-        labels[i, len(p) : len(s)] = ids[i, len(p) : len(s)]
-    return ids, labels, torch.tensor([len(s) for s in seqs])
+    return sft_batch(prompts, answers, eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
 
 
 def response_loss(model: Any, ids: Any, labels: Any) -> Any:
