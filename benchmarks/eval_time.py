@@ -89,6 +89,7 @@ def fit(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
 def measure(shape_name: str, layers: list[int], lengths: list[int], device: str) -> dict:
     shape, full_layers, answer, problems = SHAPES[shape_name]
     dev = torch.device(device)
+    seconds_per_token(shape, layers[0], lengths[0], problems, dev)  # warm-up: the first point ran 10x slow on an H200
     points = [(k, n, seconds_per_token(shape, k, n, problems, dev)) for k in layers for n in lengths]
     a, b, c = fit(points)
     estimate = answer * (a + full_layers * (b + c * (PROMPT + answer / 2)))

@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
+from qurl.hardware import native_bf16
 from qurl.quant.invariant_scaling import apply_invariant_scaling
-from qurl.supervisor.environment import native_bf16
 
 if TYPE_CHECKING:  # annotations only: the GPU check imports this without omegaconf
     from omegaconf import DictConfig

@@ -358,6 +358,7 @@ def test_throughput_benchmark_quick(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["repeats"] == 1 and r["model_params"] > 0 for r in rows)
     assert {"int8/fp32@batch4", "int8/bf16@batch4", "fp32/hf-fp32@batch4", "continuous/static"} <= set(result["ratios"])
     limit = result["byte_limits"]["int8+head/fp32@batch4"]  # int8 codes and an int8 lm_head against fp32 weights
-    assert 3 < limit["limit"] < 4 and limit["share_of_limit"] > 0 and 0 < limit["gemm_only_share_of_limit"]
+    assert 3 < limit["limit"] < 4 and limit["share_of_limit"] > 0
+    assert DEVICE != "cpu" or limit["gemm_only_share_of_limit"] > 0  # the GEMM share is profiled on the CPU only
     heads = {r["config"]: r["weight_bytes_per_step"] for r in rows if r["batch"] == 4 and "weight_bytes_per_step" in r}
     assert heads["int8+head"] < heads["int8"] < heads["fp32"] and heads["bf16"] * 2 == heads["fp32"]

@@ -89,7 +89,7 @@ def train(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qurl.supervisor.environment import native_bf16
+    from qurl.hardware import native_bf16
 
     bf16 = native_bf16(torch.device("cpu"))  # fp32 weights and optimizer, bf16 matmuls where the CPU has them
     start = time.perf_counter()

@@ -25,15 +25,6 @@ BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, 
 CODE_BYTES = 1  # an int8 or fp8 code; the scales are a rounding error beside them
 
 
-def native_bf16(device: Any) -> bool:
-    """Whether bf16 matmuls run in hardware here: on AVX2-only CPUs they are emulated, ~8x slower than fp32."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
 ADAMW_BYTES = 12  # per parameter in a checkpoint: fp32 weights plus AdamW's two fp32 moments
 GB = 1e9
 
