@@ -1,7 +1,11 @@
 """The global staleness budget (design.md §3.5): grants that keep N rollout servers within one bound together.
 
 The bound: groups accepted (used or buffered, A) plus groups in flight at every server never exceed
-L = (max_staleness + V + 1) * batch_prompts. Each server gets a cumulative grant G_i: it may have admitted
+L = (max_staleness + 1) * batch_prompts + U, U the groups used by learner steps so far: room for max_staleness + 1
+batches beyond the last one taken. While every step updates the weights, U = V * batch_prompts (V the learner's
+version), so L = (max_staleness + V + 1) * batch_prompts; a step whose update is skipped (non-finite loss) still uses
+its batch, so the room it leaves the servers never shrinks, and its groups' staleness in versions only gets smaller.
+Each server gets a cumulative grant G_i: it may have admitted
 at most G_i groups in its life (rollout_server/admission.py), and grants never shrink, so a grant in a
 delayed or lost reply can never be taken back. Server i holds at most G_i - R_i - bad_i groups not yet
 received (R_i: received from it, bad_i: groups its codec refused, which never arrive), its reservation. The
@@ -47,10 +51,10 @@ class Holder:
 
 
 class Budget:
-    """Grants per server id; snapshot() gives (A, groups received per server id) atomically."""
+    """Grants per server id; snapshot() gives (A, U, groups received per server id) atomically."""
 
     def __init__(
-        self, max_staleness: int, batch_prompts: int, snapshot: Callable[[], tuple[int, dict[str, int]]]
+        self, max_staleness: int, batch_prompts: int, snapshot: Callable[[], tuple[int, int, dict[str, int]]]
     ) -> None:
         self.max_staleness, self.batch_prompts, self.snapshot = max_staleness, batch_prompts, snapshot
         self.holders: dict[str, Holder] = {}
@@ -59,15 +63,15 @@ class Budget:
         self._lock = threading.Lock()
         self._window: dict[str, float] = {}
 
-    def limit(self, version: int) -> int:
-        """L at learner version `version`."""
-        return (self.max_staleness + version + 1) * self.batch_prompts
+    def limit(self, used: int) -> int:
+        """L once the learner's steps have used `used` groups."""
+        return (self.max_staleness + 1) * self.batch_prompts + used
 
     def grant(self, sid: str, version: int, server_version: int, counters: dict, now: float) -> int:
         """Take a hello / heartbeat's counters; return the server's (possibly raised) cumulative grant."""
         admitted, bad = int(counters.get("admitted", 0)), int(counters.get("bad_groups", 0))
         with self._lock:
-            accepted, received = self.snapshot()
+            accepted, used, received = self.snapshot()
             h = self.holders.get(sid)
             if (
                 h is None or h.sent_final is not None
@@ -79,7 +83,7 @@ class Budget:
             if admitted > h.grant:
                 self.violations += 1
             h.admitted, h.bad, h.seen = max(h.admitted, admitted), max(h.bad, bad), now
-            limit = self.limit(version)
+            limit = self.limit(used)
             live = self._live(now)
             if version - server_version <= self.max_staleness:
                 free = limit - accepted - self._reserved(received)
@@ -99,7 +103,7 @@ class Budget:
     def expire(self, now: float) -> list[str]:
         """Return the reservations of servers silent for SERVER_GONE_S (their ids); forget departed ones settled."""
         with self._lock:
-            _, received = self.snapshot()
+            _, _, received = self.snapshot()
             settled = [
                 sid
                 for sid, h in self.holders.items()
@@ -117,11 +121,11 @@ class Budget:
             self.expired.add(sid)
             return self.holders.pop(sid, None) is not None
 
-    def take_window(self, version: int) -> dict[str, float]:
+    def take_window(self) -> dict[str, float]:
         """admission/* metrics since the last call: the bound L, the peaks measured against it, the violations."""
         with self._lock:
-            accepted, received = self.snapshot()
-            self._observe(self.limit(version), accepted, received, self._live(time.monotonic()))
+            accepted, used, received = self.snapshot()
+            self._observe(self.limit(used), accepted, received, self._live(time.monotonic()))
             out, self._window = self._window, {}
         out["admission/violations"] = self.violations
         return out

@@ -47,17 +47,17 @@ class TrajectoryBuffer:
         # server id -> {"sessions": {session: [accepted, highest seq]}, "life", "restart_gaps"}
         self.wire: dict[str, dict] = {}
         self._resumed_sessions: set[tuple[str, str]] = set()  # checkpointed sessions not heard from since the resume
-        self._lock = threading.Lock()  # the control thread reads (A, received per server) as one snapshot
+        self._lock = threading.Lock()  # the control thread reads (A, U, received per server) as one snapshot
 
     @property
     def accepted_total(self) -> int:
         """A of the control replies: groups used or waiting in the buffer, over the whole run."""
         return self.used + len(self.groups)
 
-    def snapshot(self) -> tuple[int, dict[str, int]]:
-        """(accepted_total, groups received per server id), consistent with each other (learner/budget.py)."""
+    def snapshot(self) -> tuple[int, int, dict[str, int]]:
+        """(accepted_total, used, groups received per server id), consistent with each other (learner/budget.py)."""
         with self._lock:
-            return self.accepted_total, dict(self.received_from)
+            return self.accepted_total, self.used, dict(self.received_from)
 
     def counters(self) -> dict:
         """The buffer's cursor: what a resumed learner continues counting from."""

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from learner.errors import first_line
 from qurl.outputs import checkpoint_files
 from qurl.outputs.checkpoint_files import FORMAT, step_dirs
 from qurl.quant.invariant_scaling import remove_invariant_scaling
@@ -53,6 +54,11 @@ _SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message is one line naming the folder and why."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, folder read-only); one line naming it and what is intact (empty
+    off rank 0). The run stops with exit 1: once there is room, a resume continues from the intact one."""
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -139,33 +145,54 @@ def save(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimize
     weights = full_state_dict(model)
     optim = get_optimizer_state_dict(model, optimizer, options=_GATHER)
     rng = _gather_rng()
+    failed = torch.zeros(1)
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        for r, states in enumerate(rng):
-            torch.save(states, os.path.join(tmp, f"rng_rank{r}.pt"))
-        aliases = _aliases(model)
-        save_file(
-            {k: v.contiguous() for k, v in weights.items() if k not in aliases},
-            os.path.join(tmp, "model.safetensors"),
-            metadata={"aliases": json.dumps(aliases)},
+        try:
+            _write(root, tmp, final, step, model, weights, optim, rng, state, keep)
+        except (OSError, RuntimeError, SafetensorError) as exc:  # disk full, folder read-only: torch and safetensors
+            shutil.rmtree(tmp, ignore_errors=True)  # raise their own types; the partial copy goes, older ones stay
+            failed[0] = 1
+            free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
+            why = f"{exc.strerror if isinstance(exc, OSError) else first_line(exc)} ({free / 2**20:.1f} MiB free)"
+    dist.all_reduce(failed)  # every rank stops together
+    if failed.item():
+        intact = step_dirs(root)
+        raise CheckpointWriteError(
+            f"cannot write checkpoint {final}: {why}; the partial copy was removed; "
+            + (f"{intact[0][1]} is intact" if intact else "no earlier checkpoint exists")
+            + "; free space or fix the folder, then resume with run.resume=true"
+            if rank == 0
+            else ""
         )
-        save_file(_flat_optim(optim), os.path.join(tmp, "optim.safetensors"))
-        _fsync_write(os.path.join(tmp, "state.json"), json.dumps(state, indent=1, sort_keys=True))
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "world_size": dist.get_world_size(),
-            "fingerprint": fingerprint(model),
-            "files": checkpoint_files.describe(tmp),
-        }
-        _fsync_write(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1, sort_keys=True))
-        if os.path.exists(final):  # a rerun of the same step after a crash: the new one wins
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _prune(root, keep)
-    dist.barrier()
     return final
+
+
+def _write(root, tmp, final, step, model, weights, optim, rng, state, keep) -> None:  # noqa: ANN001
+    """Rank 0's half of save(): the files into tmp, the manifest last, then the rename and the pruning."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for r, states in enumerate(rng):
+        torch.save(states, os.path.join(tmp, f"rng_rank{r}.pt"))
+    aliases = _aliases(model)
+    save_file(
+        {k: v.contiguous() for k, v in weights.items() if k not in aliases},
+        os.path.join(tmp, "model.safetensors"),
+        metadata={"aliases": json.dumps(aliases)},
+    )
+    save_file(_flat_optim(optim), os.path.join(tmp, "optim.safetensors"))
+    _fsync_write(os.path.join(tmp, "state.json"), json.dumps(state, indent=1, sort_keys=True))
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": dist.get_world_size(),
+        "fingerprint": fingerprint(model),
+        "files": checkpoint_files.describe(tmp),
+    }
+    _fsync_write(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1, sort_keys=True))
+    if os.path.exists(final):  # a rerun of the same step after a crash: the new one wins
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _prune(root, keep)
 
 
 def _prune(root: str, keep: int) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from learner import checkpoint
-from learner.errors import NonFiniteWeights, StartError, all_started
+from learner.errors import Diverged, StartError, all_started
 from qurl.outputs import books
 from qurl.outputs.report import write_summary
 
@@ -116,7 +116,21 @@ class Checkpointer:
                 f"before pushing, checkpointing or exporting them; last good checkpoint: "
                 f"{saved or 'none (none was written)'}"
             )
-        raise NonFiniteWeights(line if self.is_main else "")
+        raise Diverged(line if self.is_main else "")
+
+    def require_progress(self, skipped_in_a_row: int, step: int, limit: int) -> None:
+        """Every rank alike (the skip is decided on all-reduced values): stop once `limit` steps in a row updated
+        nothing, since the weights stand still while the run spends its budget, and a resume repeats it."""
+        if not limit or skipped_in_a_row < limit:
+            return
+        saved = os.path.join(self.root, f"step_{self.saved_step}") if self.saved_step else ""
+        line = (
+            f"steps {step - skipped_in_a_row + 1}-{step}: every update skipped for a non-finite loss or grad norm, "
+            f"{skipped_in_a_row} steps in a row (train.max_skipped_steps={limit}, train.lr={self.lr:g}); stopped: a "
+            f"resume would repeat it, lower train.lr; the weights are unchanged since step {step - skipped_in_a_row}; "
+            f"last good checkpoint: {saved or 'none (none was written)'}"
+        )
+        raise Diverged(line if self.is_main else "")
 
     def export(self, model: nn.Module, scaling: tuple[float, tuple[str, ...]] | None) -> None:
         """Collective: the final policy as hf/, invariant scaling removed (rank 0 writes it)."""

@@ -10,9 +10,14 @@ class StartError(RuntimeError):
     """The learner cannot start (model.path unusable, an endpoint taken); one line naming the setting."""
 
 
-class NonFiniteWeights(RuntimeError):
-    """The policy's weights hold inf or NaN; one line naming the step and the last good checkpoint (empty off
-    rank 0)."""
+class Diverged(RuntimeError):
+    """Training cannot go on: the weights hold inf or NaN, or update after update is skipped for a non-finite loss;
+    one line naming the step, the learning rate and the last good checkpoint (empty off rank 0)."""
+
+
+class BadRewards(RuntimeError):
+    """Too many recent scores failed (the reward function raised, timed out, returned NaN); one line naming it
+    (empty off rank 0)."""
 
 
 def all_started(problem: StartError | None, is_main: bool) -> None:

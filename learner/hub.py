@@ -25,6 +25,7 @@ from learner.buffer import TrajectoryBuffer
 from learner.control_plane import ControlPlane
 from learner.errors import StartError, first_line
 from learner.policy_step import DistEnv
+from learner.reward_health import RewardHealth
 from learner.servers import ServerRegistry
 from learner.weight_sync import WeightSync
 from qurl.wire import transport
@@ -42,12 +43,21 @@ class Hub:
     control plane, once `open` has bound them."""
 
     def __init__(
-        self, env: DistEnv, pad_id: int, batch_prompts: int, async_cfg: DictConfig, log_interval_s: float
+        self,
+        env: DistEnv,
+        pad_id: int,
+        batch_prompts: int,
+        async_cfg: DictConfig,
+        log_interval_s: float,
+        rewards: RewardHealth,
     ) -> None:
         self.env, self.pad_id, self.batch_prompts = env, pad_id, batch_prompts
         self.async_cfg, self.log_interval_s = async_cfg, log_interval_s
         self.is_main = env.rank == 0
         self.timed_out = False  # no group arrived for async.wait_timeout_s
+        self.rewards = rewards  # rank 0: the share of failed scores
+        self.reward_problem: str | None = None  # rank 0: why the rewards stop the run (all ranks stop on it)
+        self.stopped_for_rewards = False
         self.ctx: zmq.Context | None = None
         self.buffer: TrajectoryBuffer | None = None
         self.servers = ServerRegistry()
@@ -118,10 +128,12 @@ class Hub:
         timeout = self.async_cfg.wait_timeout_s
         while True:
             idle = time.monotonic() - max(waited_from, self.buffer.last_arrival) if self.is_main else 0.0
-            stop = torch.tensor([int(stop_requested()), int(bool(timeout) and idle > timeout)])
+            stop = torch.tensor(
+                [int(stop_requested()), int(bool(timeout) and idle > timeout), int(self.reward_problem is not None)]
+            )
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
             if stop.any():
-                self.timed_out = bool(stop[1].item())
+                self.timed_out, self.stopped_for_rewards = bool(stop[1].item()), bool(stop[2].item())
                 return None, {}
             groups, header = None, torch.zeros(3, dtype=torch.int64)
             if self.is_main:
@@ -168,7 +180,10 @@ class Hub:
         rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
         stale = torch.tensor([version - min_version(g) for g in groups], dtype=torch.float64)
         lengths = torch.tensor([len(s.token_ids) for g in groups for s in g.samples], dtype=torch.float64)
-        statuses = Counter(str(s.reward_details.get("status", "ok")) for g in groups for s in g.samples)
+        details = [s.reward_details for g in groups for s in g.samples]
+        statuses = Counter(str(d.get("status", "ok")) for d in details)
+        first_failure = self.rewards.observe(details)
+        self.reward_problem = self.rewards.problem()
         with_signal = sum(len({s.reward for s in g.samples}) > 1 for g in groups)  # all-equal groups: advantage 0
         info = {
             "reward/mean": rewards.mean().item(),
@@ -184,9 +199,11 @@ class Hub:
             "buffer/dropped_filter": self.buffer.dropped["filter"],
             "buffer/dropped_invalid": self.buffer.dropped["invalid"],
             "buffer/bad_messages": sum(self.buffer.receiver.rejected.values()),
-            **self.plane.budget.take_window(version),
+            **self.plane.budget.take_window(),
         }
         info.update({f"reward/status_{k}": v for k, v in statuses.items()})
+        if first_failure is not None:  # once: the console's warning quotes it
+            info["reward/first_failure"] = first_failure
         server_totals: Counter = Counter()
         for server in list(self.servers.values()):
             server_totals.update({k: v for k, v in server.counters.items() if isinstance(v, (int, float))})

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from omegaconf import DictConfig
 
-from qurl.supervisor.cli import EXIT_DIVERGED, EXIT_INPUT, die_with_parent, parse
+from qurl.supervisor.cli import EXIT_DIVERGED, EXIT_FAULT, EXIT_INPUT, die_with_parent, parse
 
 PROG = "qurl-learner"
 INIT_ENV = "QURL_LEARNER_INIT"  # set by _spawn / main for locally started ranks
@@ -64,8 +64,8 @@ def _run_rank(cfg: DictConfig) -> int:
     import torch
     import torch.distributed as dist
 
-    from learner.checkpoint import CheckpointError
-    from learner.errors import NonFiniteWeights, StartError
+    from learner.checkpoint import CheckpointError, CheckpointWriteError
+    from learner.errors import BadRewards, Diverged, StartError
     from learner.policy_step import DistEnv
     from learner.trainer import Learner
 
@@ -99,10 +99,12 @@ def _run_rank(cfg: DictConfig) -> int:
         if world > 1:  # leave together: gloo torn down on one rank while its peer still works can abort that rank
             dist.barrier()
         return code
-    except (CheckpointError, StartError, NonFiniteWeights) as exc:
+    except (CheckpointError, CheckpointWriteError, StartError, Diverged, BadRewards) as exc:
         if str(exc):  # empty: another rank failed and says why
             print(f"{PROG}: {exc}", file=sys.stderr)
-        return EXIT_DIVERGED if isinstance(exc, NonFiniteWeights) else EXIT_INPUT
+        if isinstance(exc, CheckpointWriteError):
+            return EXIT_FAULT  # room or permissions can come back: a resume continues from the intact checkpoint
+        return EXIT_DIVERGED if isinstance(exc, Diverged) else EXIT_INPUT
     finally:
         if learner is not None:
             learner.close()

@@ -26,11 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from learner import checkpoint, weight_sync
 from learner.checkpointer import Checkpointer, TrainState
-from learner.errors import StartError, all_started, first_line
+from learner.errors import BadRewards, StartError, all_started, first_line
 from learner.evaluation import Evaluation, FpEvaluator, acc_fp_mode
 from learner.hub import Hub
 from learner.model import build_policy, invariant_scaling
 from learner.policy_step import DistEnv, PolicyStep
+from learner.reward_health import RewardHealth
 from learner.weight_sync.tensors import gather_engine_tensors
 from qurl.config import run_dir, to_yaml
 from qurl.data import DatasetError
@@ -79,8 +80,10 @@ class Learner:
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.state = TrainState()
         self.drift_checked = False  # the first batch of this learner life is checked against algo.drift_kl_threshold
+        self.skipped_in_a_row = 0  # steps since the last one that updated the weights
         self.ckpt = Checkpointer(self.run_dir, cfg.checkpoint, cfg.model.path, cfg.train.lr, self.is_main)
-        self.hub = Hub(env, self.policy.pad_id, cfg.train.batch_prompts, cfg.async_, cfg.log.interval_s)
+        rewards = RewardHealth(cfg.reward.max_error_frac, cfg.reward.name)
+        self.hub = Hub(env, self.policy.pad_id, cfg.train.batch_prompts, cfg.async_, cfg.log.interval_s, rewards)
         evaluator, self.weight_sync, self.metrics = None, None, None
         problem = None
         if self.is_main:
@@ -134,6 +137,8 @@ class Learner:
             result = self.policy.step(batch, self.state.step)
             self.state.step += 1
             self.state.skipped_updates += result.skipped
+            self.skipped_in_a_row = 0 if result.updated else self.skipped_in_a_row + 1
+            self.ckpt.require_progress(self.skipped_in_a_row, self.state.step, self.cfg.train.max_skipped_steps)
             sync = self.weight_sync.metrics() if self.is_main else {}
             if result.updated:
                 self.state.version += 1
@@ -144,6 +149,10 @@ class Learner:
                 self._checkpoint()
         if self.state.step != self.ckpt.saved_step:
             self._checkpoint()
+        if self.hub.stopped_for_rewards:  # the line names the reward function; resuming before fixing it repeats it
+            raise BadRewards(
+                f"{self.hub.reward_problem}; stopped at step {self.state.step} (checkpointed)" if self.is_main else ""
+            )
         if self.hub.timed_out:
             if self.is_main:
                 log.error(

@@ -26,6 +26,9 @@ class RunConfig:
     dir: str = ""  # empty: runs/<name>
     resume: bool = False
     max_restarts: int = 3
+    # a rollout server alive but silent this long (no heartbeat: stopped, deadlocked in a kernel, stuck in a
+    # collective) is killed and restarted as a crashed one is, within run.max_restarts; 0: never
+    server_silence_s: float = 300.0
     seed: int = 0
 
 
@@ -49,6 +52,9 @@ class RewardConfig:
     name: str = "math"  # a built-in (qurl.rewards.BUILTIN: math, dapo, gsm8k, arith, gym) or package.module:function
     timeout_s: float = 10.0
     workers: int = 2
+    # the run stops (exit 2) when more than this share of the last 256 scores failed (the function raised, timed
+    # out or returned NaN / a non-number); 1: never
+    max_error_frac: float = 0.5
 
 
 @dataclass
@@ -121,6 +127,9 @@ class TrainConfig:
     mini_batches: int = 1
     steps: int = 100
     grad_clip: float = 1.0
+    # steps in a row whose every update is skipped for a non-finite loss or grad norm before the run stops (exit 3,
+    # one line naming train.lr): resuming would repeat it. 0: never stop for it
+    max_skipped_steps: int = 5
     precision: str = "fp32"  # fp32 | bf16 (FSDP2 mixed precision, fp32 master weights) | auto: bf16 where native
     micro_batches: str = "bucketed"  # bucketed: rows sorted by length, cut to least padding | padded: rows in order
     # padded tokens per forward (a longer row gets a micro-batch of its own); bounds activation memory, never the
@@ -232,9 +241,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # key -> (lower bound, whether the bound itself is allowed, upper bound or None)
 BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "run.max_restarts": (0, True, None),
+    "run.server_silence_s": (0, True, None),
     "data.max_prompt_len": (1, True, None),
     "reward.timeout_s": (0, False, None),
     "reward.workers": (1, True, None),
+    "reward.max_error_frac": (0, True, 1.0),
     "rollout.max_batch": (1, True, None),
     "rollout.max_seq_len": (2, True, None),
     "rollout.n_samples": (1, True, None),
@@ -257,6 +268,7 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "train.micro_batch_tokens": (1, True, None),
     "train.steps": (1, True, None),
     "train.grad_clip": (0, False, None),
+    "train.max_skipped_steps": (0, True, None),
     "async.max_staleness": (0, True, None),
     "async.wait_timeout_s": (0, True, None),
     "algo.drift_kl_threshold": (0, False, None),

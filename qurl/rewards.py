@@ -63,6 +63,9 @@ class RewardError(RuntimeError):
     """A reward pool that cannot start: bad reward name, or a function that cannot be imported."""
 
 
+FAILED_STATUSES = ("error", "timeout", "nan")  # the verifier did not score (no_answer is the model's doing)
+
+
 @dataclass(frozen=True)
 class RewardResult:
     reward: float

@@ -18,6 +18,7 @@ from qurl.data import Example, PromptDataset
 from qurl.evaluate import EvalSet, eval_max_new_tokens
 from qurl.outputs import books
 from qurl.rewards import RewardPool, RewardResult
+from qurl.supervisor.layout import HEARTBEAT_ENV
 from qurl.wire import protocol
 from qurl.wire.frames import ProtocolError
 from qurl.wire.protocol import Status, TrajectoryGroup, WeightPush, WeightRef
@@ -193,6 +194,7 @@ class RolloutLoop:
         self.eval_wanted: int | None = None  # version the learner asked to evaluate
         self.eval_run: EvalRun | None = None  # generating; weight pushes wait until it is done
         self._last_heartbeat = 0.0
+        self._beat_failed = False
         self._log_interval = get(cfg, "log.interval_s")
         self._last_log = time.monotonic()
         self._logged = dict(self.counters)
@@ -408,11 +410,25 @@ class RolloutLoop:
         except zmq.Again:  # the learner is away and the queue is full; the next heartbeat says the same
             pass
 
+    def _beat_file(self) -> None:
+        """Touch qurl-async's heartbeat file: a loop that stops touching it is killed and restarted (a wedged server
+        sends no exit code to notice)."""
+        path = os.environ.get(HEARTBEAT_ENV)
+        if path:
+            try:
+                with open(path, "a"):
+                    os.utime(path)
+            except OSError as exc:  # the watchdog then sees silence; say why once
+                if not self._beat_failed:
+                    log.warning("cannot touch the heartbeat file %s: %s", path, exc)
+                self._beat_failed = True
+
     def _tick(self) -> None:
         now = time.monotonic()
         if now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
             self._status("heartbeat")
+            self._beat_file()
         if now - self._last_log >= self._log_interval:
             dt, c, old = now - self._last_log, self.counters, self._logged
             log.info(

@@ -52,3 +52,15 @@ def flaky(response: str, answer: str) -> float:
 def constant(response: str, answer: str) -> float:
     """A reward that carries no signal: every sample of every group scores the same."""
     return 0.0
+
+
+def mostly_broken(response: str, answer: str) -> float:
+    """A custom verifier with bugs on two answers in three: raises on one, returns a string on another."""
+    from qurl.rewards import arith_reward
+
+    key = int(answer) % 3
+    if key == 0:
+        raise KeyError("expected_answer")
+    if key == 1:
+        return "1.0"  # type: ignore[return-value]
+    return arith_reward(response, answer)

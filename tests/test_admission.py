@@ -23,28 +23,29 @@ def test_nothing_starts_before_a_grant_and_grants_never_shrink():
 
 
 class Books:
-    """The learner's buffer as the budget sees it: accepted (used + buffered) and received per server."""
+    """The learner's buffer as the budget sees it: accepted (used + buffered), used, and received per server."""
 
     def __init__(self):
-        self.accepted, self.received = 0, {}
+        self.accepted, self.used, self.received = 0, 0, {}
 
     def snapshot(self):
-        return self.accepted, dict(self.received)
+        return self.accepted, self.used, dict(self.received)
 
 
 def test_two_servers_split_the_room_and_a_departed_one_returns_its_share():
     books = Books()
-    budget = Budget(max_staleness=1, batch_prompts=4, snapshot=books.snapshot)  # L = 8 at version 0
+    budget = Budget(max_staleness=1, batch_prompts=4, snapshot=books.snapshot)  # L = 8 before any step
     assert budget.grant("a", 0, 0, {"admitted": 0}, now=0.0) == 8  # alone: the whole room
     assert budget.grant("b", 0, 0, {"admitted": 0}, now=0.1) == 0  # nothing is free
     budget.bye("a", {"sent": 2, "admitted": 8})  # a leaves after sending 2 groups, both still on the wire
     assert budget.grant("b", 0, 0, {"admitted": 0}, now=0.2) == 6  # a's 6 unsent groups are returned
     books.accepted, books.received = 2, {"a": 2}  # a's groups arrive
     assert budget.grant("b", 0, 0, {"admitted": 0}, now=0.3) == 6  # 2 accepted + 6 reserved = L
-    books.accepted, books.received["b"] = 6, 4  # 4 of b's groups arrive; two learner steps: version 2, L = 16
+    books.accepted, books.received["b"] = 8, 6  # b's 6 groups arrive; two learner steps: version 2, L = 16
+    books.used = 8
     assert budget.grant("b", 2, 0, {"admitted": 6}, now=0.4) == 6  # b's weights lag past max_staleness: no more
-    assert budget.grant("b", 2, 2, {"admitted": 6}, now=0.5) == 14  # 6 accepted + (14 - 4) reserved = L
-    window = budget.take_window(2)
+    assert budget.grant("b", 2, 2, {"admitted": 6}, now=0.5) == 14  # 8 accepted + (14 - 6) reserved = L
+    window = budget.take_window()
     assert window["admission/min_margin"] == 0 and window["admission/limit"] == 16
     assert window["admission/violations"] == 0
 
@@ -70,11 +71,25 @@ def test_a_restarted_servers_hello_returns_its_dead_predecessors_share_at_once()
 
 def test_a_server_that_outlived_the_learner_is_not_charged_for_groups_sent_to_the_dead_learner():
     books = Books()
-    books.accepted, books.received = 8, {"a": 8}  # the resumed learner's checkpointed counts (2 steps of 4 used)
+    books.accepted, books.used, books.received = 8, 8, {"a": 8}  # the resumed learner's counts (2 steps of 4 used)
     budget = Budget(max_staleness=0, batch_prompts=4, snapshot=books.snapshot)  # version 2: L = 12
     # a sent 11: 3 went to the learner life that died; 1 more is running; its grant starts at its 12 admitted
     assert budget.grant("a", 2, 2, {"admitted": 12, "sent": 11}, now=0.0) == 15  # 8 + (15 - 8 - 3) = 12
-    assert budget.take_window(2)["admission/min_margin"] == 0
+    assert budget.take_window()["admission/min_margin"] == 0
+
+
+def test_a_skipped_update_leaves_the_servers_their_room():
+    """A step whose update is skipped (non-finite loss) still uses its batch: the room must not shrink, or the
+    server's grant stays used up and the learner waits for groups until async.wait_timeout_s."""
+    books = Books()
+    budget = Budget(max_staleness=1, batch_prompts=4, snapshot=books.snapshot)
+    assert budget.grant("a", 0, 0, {"admitted": 0}, now=0.0) == 8
+    books.accepted, books.received = 8, {"a": 8}  # all 8 arrive
+    for skipped in (1, 2, 3):  # three steps in a row, every update skipped: version stays 0
+        books.used = 4 * skipped
+        assert budget.grant("a", 0, 0, {"admitted": 8 + 4 * (skipped - 1)}, now=skipped) == 8 + 4 * skipped
+        books.accepted += 4  # the server fills the new room
+        books.received["a"] += 4
 
 
 def test_admitting_beyond_the_grant_is_counted():
@@ -82,7 +97,7 @@ def test_admitting_beyond_the_grant_is_counted():
     budget = Budget(max_staleness=0, batch_prompts=2, snapshot=books.snapshot)
     budget.grant("a", 0, 0, {"admitted": 0}, now=0.0)
     budget.grant("a", 0, 0, {"admitted": 3}, now=0.5)
-    assert budget.take_window(0)["admission/violations"] == 1
+    assert budget.take_window()["admission/violations"] == 1
 
 
 @settings(max_examples=150, deadline=None)
@@ -91,7 +106,9 @@ def test_admitting_beyond_the_grant_is_counted():
     batch=st.integers(1, 5),
     n_servers=st.integers(1, 4),
     script=st.lists(
-        st.tuples(st.sampled_from(["beat", "gen", "recv", "drop", "step", "bye", "wait", "kill"]), st.integers(0, 3)),
+        st.tuples(
+            st.sampled_from(["beat", "gen", "recv", "drop", "step", "skip", "bye", "wait", "kill"]), st.integers(0, 3)
+        ),
         max_size=120,
     ),
 )
@@ -133,9 +150,10 @@ def test_simulated_servers_never_exceed_the_global_bound(staleness, batch, n_ser
             src = wire.pop(0)
             books.received[src] = books.received.get(src, 0) + 1
             books.accepted += action == "recv"
-        elif action == "step" and books.accepted - used >= batch:
-            used += batch
-            version += 1
+        elif action in ("step", "skip") and books.accepted - used >= batch:
+            used += batch  # a skipped update (non-finite loss) uses its batch and leaves the version
+            version += action == "step"
+            books.used = used
         elif action == "bye" and sid:
             s = servers[sid]
             s["alive"] = False
@@ -152,9 +170,9 @@ def test_simulated_servers_never_exceed_the_global_bound(staleness, batch, n_ser
         held = books.accepted + sum(
             s["adm"].admitted - books.received.get(i, 0) for i, s in servers.items() if s["alive"]
         )
-        # the groups accepted or held by live servers fit the bound of the current version
-        assert held <= (staleness + version + 1) * batch
-    window = budget.take_window(version)
+        # the groups accepted or held by live servers fit the bound: max_staleness + 1 batches past those used
+        assert held <= (staleness + 1) * batch + used
+    window = budget.take_window()
     # the grants' arithmetic stays within L, except after a presumed-dead server came back still holding groups
     # (learner/budget.py accepts that: they count again); the held groups above never exceed it either way
     assert returned or window.get("admission/min_margin", 0) >= 0

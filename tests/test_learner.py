@@ -452,6 +452,28 @@ def test_a_nan_loss_skips_the_update_and_the_next_batch_trains(in_process, batch
     assert any(not torch.equal(before[k], v) for k, v in full_weights(learner).items())
 
 
+def test_steps_that_update_nothing_in_a_row_stop_the_run_with_one_line(tmp_path):
+    """train.max_skipped_steps: the weights stand still while every update is skipped for a non-finite loss, so the
+    run stops (learner/main.py maps Diverged to exit 3) naming the steps, the lr and the last good checkpoint."""
+    from learner.checkpointer import Checkpointer
+    from learner.errors import Diverged
+
+    ckpt = Checkpointer(str(tmp_path), None, "model", 1e18, is_main=True)
+    ckpt.saved_step = 4
+    for skipped in range(5):
+        ckpt.require_progress(skipped, 6 + skipped, limit=5)
+    ckpt.require_progress(50, 60, limit=0)  # 0: never
+    with pytest.raises(Diverged) as stop:
+        ckpt.require_progress(5, 11, limit=5)
+    line = str(stop.value)
+    assert line.startswith("steps 7-11: every update skipped for a non-finite loss or grad norm, 5 steps in a row")
+    assert "train.lr=1e+18" in line and "unchanged since step 6" in line, line
+    assert f"last good checkpoint: {tmp_path / 'checkpoints' / 'step_4'}" in line and "\n" not in line
+    quiet = Checkpointer(str(tmp_path), None, "model", 1e18, is_main=False)
+    with pytest.raises(Diverged, match="^$"):  # off rank 0 the line is left to rank 0
+        quiet.require_progress(5, 11, limit=5)
+
+
 def test_one_mini_batch_reuses_its_forward_as_the_proximal_policy(in_process, batches):
     from learner.batch import collate
 

@@ -32,7 +32,7 @@ class WarmStart:
     warmup: int = 10
     eval_every: int = 5
     dev_size: int = 128
-    target_acc: float = 0.15
+    target_acc: float = 0.4
     max_new_tokens: int = 16
     seed: int = 0
 

@@ -12,6 +12,7 @@ import re
 import shutil
 import struct
 import subprocess
+import tempfile
 from importlib import metadata
 from typing import Any
 
@@ -173,6 +174,23 @@ def free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def check_writable(run_dir: str) -> None:
+    """ConfigError (one line) when the run folder cannot be made where run.dir points: a read-only mount, a
+    parent that refuses new folders, a file in the way. Probed with a temporary folder that is removed at once."""
+    base = os.path.abspath(run_dir)
+    while not os.path.exists(base):
+        base = os.path.dirname(base)
+    try:
+        if not os.path.isdir(base):
+            raise NotADirectoryError(f"{base} is a file")
+        os.rmdir(tempfile.mkdtemp(prefix=".qurl-probe-", dir=base))
+    except OSError as exc:
+        raise ConfigError(
+            f"run.dir={run_dir}: cannot create the run folder there ({base}: {exc.strerror or exc}); choose a "
+            "writable run.dir"
+        ) from None
+
+
 def _folder_bytes(path: str) -> int:
     total = 0
     for root, _, files in os.walk(path):
@@ -181,8 +199,9 @@ def _folder_bytes(path: str) -> int:
 
 
 def check_room(cfg: Any, run_dir: str, shm: str = SHM) -> dict[str, int]:
-    """/dev/shm against the largest push (SGLang over zmq) and the disk against checkpoint.keep + 1 checkpoints;
-    ConfigError for either, else the estimates."""
+    """The run folder can be made, /dev/shm holds the largest push (SGLang over zmq) and the disk checkpoint.keep + 1
+    checkpoints; ConfigError for any, else the estimates."""
+    check_writable(run_dir)
     tensors = model_tensors(get(cfg, "model.path"))
     if not tensors:  # *.bin weights: no header to size them by
         return {}

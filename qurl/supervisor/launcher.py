@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +29,10 @@ from qurl.outputs.report import (
     read_metrics,
     write_summary,
 )
-from qurl.rewards import BUILTIN
+from qurl.rewards import BUILTIN, FAILED_STATUSES
 from qurl.supervisor import environment, preflight, run_folder
 from qurl.supervisor.cli import EXIT_DIVERGED, EXIT_FAULT, EXIT_INPUT, die_with_parent, parse
-from qurl.supervisor.layout import REPLACES_ENV, plan
+from qurl.supervisor.layout import HEARTBEAT_ENV, REPLACES_ENV, plan
 
 PROG = "qurl-async"
 
@@ -69,8 +71,12 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     log_file: object | None = field(default=None, repr=False)
+    heartbeat: str | None = None  # a rollout server's heartbeat file (HEARTBEAT_ENV), touched by its loop
 
     def start(self) -> None:
+        if self.heartbeat:  # a fresh life is not watched until its loop beats
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.heartbeat)
         self.log_file = open(self.log_path, "ab", buffering=0)
         self.log_file.write(f"--- {self.name} start (restart {self.restarts}) ---\n".encode())
         self.proc = subprocess.Popen(
@@ -85,6 +91,13 @@ class Child:
 
     def poll(self) -> int | None:
         return self.proc.poll() if self.proc else None
+
+    def silent_s(self) -> float | None:
+        """Seconds since its loop last beat; None before the first beat of this life (it is still loading)."""
+        try:
+            return time.time() - os.stat(self.heartbeat).st_mtime if self.heartbeat else None
+        except FileNotFoundError:
+            return None
 
     def signal(self, sig: int, group: bool = True) -> None:
         """Signal the child and everything it started, or (group=False) the child alone."""
@@ -152,6 +165,8 @@ def build_children(
         )
         for p in [learner_plan, *server_plans]
     ]
+    for server in servers:
+        server.heartbeat = server.env[HEARTBEAT_ENV] = os.path.join(logs, f"{server.name}.alive")
     return learner, servers
 
 
@@ -163,7 +178,19 @@ class ProgressBar:
 
         self.path, self.reward = metrics_path, reward
         self.bar = tqdm(total=total, initial=start, desc="qurl", unit="step", dynamic_ncols=True)
-        self.no_signal_warned = self.no_answer_warned = False
+        self.no_signal_warned = self.no_answer_warned = self.reward_failure_warned = False
+
+    def _warn_reward_failures(self, train: list[dict]) -> bool:
+        """Once, at the first failed score: how many failed so far, and the first one's type and message."""
+        failed, seen, first = reward_failures(train)
+        if not failed:
+            return False
+        kinds = ", ".join(f"{v} {k}" for k, v in sorted(failed.items()))
+        self.bar.write(
+            f"{PROG}: WARNING: the reward function failed on {sum(failed.values())} of {seen} scored samples so far "
+            f"({kinds}; each scored 0); first: {first}; the run stops past reward.max_error_frac"
+        )
+        return True
 
     def update(self) -> None:
         """Show the newest training row (eval rows carry no reward) and the newest accuracies."""
@@ -187,6 +214,8 @@ class ProgressBar:
             {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in post.items() if v is not None}, refresh=False
         )
         self.bar.refresh()
+        if not self.reward_failure_warned:
+            self.reward_failure_warned = self._warn_reward_failures(train)
         streak = no_answer_streak(rows)
         if streak >= NO_ANSWER_STEPS and not self.no_answer_warned:
             self.no_answer_warned = True
@@ -230,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         lock = run_folder.claim(out, PROG)
     except run_folder.RunFolderBusy as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except OSError as exc:  # a read-only or missing parent, a full disk: before anything was written
+        print(f"{PROG}: run.dir={out}: cannot create the run folder there: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_INPUT
     try:
         return _run(cfg, out, config_path, learner, servers, data)
@@ -338,6 +370,20 @@ def _data_notes(data: dict) -> dict[str, Any]:
     }
 
 
+def reward_failures(train: list[dict]) -> tuple[Counter, int, str | None]:
+    """(failed scores per status, scores seen, the first failure's "status: detail") over the training rows."""
+    failed: Counter = Counter()
+    seen, first = 0, None
+    for r in train:
+        for key, value in r.items():
+            if key.startswith("reward/status_"):
+                seen += value
+                if key[len("reward/status_") :] in FAILED_STATUSES:
+                    failed[key[len("reward/status_") :]] += value
+        first = first or r.get("reward/first_failure")
+    return failed, seen, first
+
+
 def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: ProgressBar, stop: dict) -> int:
     max_restarts = get(cfg, "run.max_restarts")
     while True:
@@ -356,6 +402,10 @@ def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: 
             if code in (EXIT_INPUT, EXIT_DIVERGED):  # its one line says what to fix; a resume would fail the same way
                 print(f"\n{PROG}: the learner stopped (exit {code}): {learner.last_line()}", file=sys.stderr)
                 return code
+            line = learner.last_line()
+            if line.startswith("qurl-learner: "):  # its own one-line verdict (a checkpoint it could not write)
+                print(f"\n{PROG}: the learner stopped (exit {code}): {line}", file=sys.stderr)
+                return EXIT_FAULT
             print(
                 f"\n{PROG}: the learner exited with code {code}; last lines of its log:\n{learner.tail()}\n"
                 f"resume with: {PROG} --config <your config> run.resume=true "
@@ -365,6 +415,8 @@ def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: 
             return EXIT_FAULT
         for s in servers:
             code = s.poll()
+            if code is None and _wedged(s, get(cfg, "run.server_silence_s")):
+                code = s.poll()
             if code is None:
                 continue
             if code == EXIT_INPUT:  # a start-up error that a restart would repeat
@@ -389,6 +441,22 @@ def _supervise(cfg: DictConfig, learner: Child, servers: list[Child], progress: 
             s.env[REPLACES_ENV] = str(s.proc.pid)  # the new server's hello returns the dead one's budget share
             s.start()
             _write_pids(cfg.run.dir, [learner, *servers])
+
+
+def _wedged(server: Child, limit: float) -> bool:
+    """A server alive but silent past run.server_silence_s (stopped, deadlocked, stuck in a collective): say so and
+    kill it, so that the crash path restarts it."""
+    silent = server.silent_s()
+    if not limit or silent is None or silent <= limit:
+        return False
+    print(
+        f"\n{PROG}: {server.name} (pid {server.proc.pid}) is alive but sent no heartbeat for {silent:.0f} s "
+        f"(run.server_silence_s={limit:g}): stopped, deadlocked or stuck in a collective; killing it",
+        file=sys.stderr,
+    )
+    server.signal(signal.SIGKILL)
+    _wait(server, timeout=30)
+    return True
 
 
 def _write_pids(out: str, children: list[Child]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from launch import QURL_ASYNC, ROOT, demo_overrides, finish, refusal, start, wait_for_step
 
+from qurl.outputs import checkpoint_files
 from qurl.outputs.report import read_metrics
 
 EXIT_INPUT, EXIT_DIVERGED = 2, 3
@@ -148,6 +150,24 @@ def test_damaged_checkpoints_are_skipped_or_refused_and_diverging_weights_stop_b
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.slow  # ~1 minute of processes
+def test_updates_skipped_step_after_step_stop_the_run_with_exit_3_not_an_hour_long_wait(demo_dir, tmp_path):
+    """A learning rate far too large: after step 1 the weights are finite but the forward overflows, so every
+    later update is skipped for a non-finite loss. The servers keep their room (skipped steps still use their
+    batches) and the run stops after train.max_skipped_steps in a row with exit 3 and one line naming the lr,
+    instead of waiting async.wait_timeout_s for groups and exiting 1 ("resume"), which would repeat the stall."""
+    run_dir = tmp_path / "skips"
+    started = time.monotonic()
+    code, out = launch(
+        demo_dir, run_dir, 40, "train.lr=1e18", "train.max_skipped_steps=3", "async.wait_timeout_s=90", timeout=240
+    )
+    assert code == EXIT_DIVERGED, out
+    line = next(line for line in out.splitlines() if "every update skipped" in line)
+    assert "3 steps in a row" in line and "train.lr=1e+18" in line and "last good checkpoint" in line, line
+    assert time.monotonic() - started < 90, "stopped by the wait timeout, not by the skipped steps"
+    print(f"stalled run stopped (exit {code}, {time.monotonic() - started:.0f} s): {line}")
+
+
 # -- start-up errors that would recur: once, fast, one line, before the folder is claimed --------------------------
 
 
@@ -191,6 +211,10 @@ START_ERRORS = {  # name: (overrides given the demo folder and tmp_path, words t
         ["reward.name", "no_such_module", "ModuleNotFoundError"],
     ),
     "cuda device": (lambda d, t: ["rollout.device=cuda"], ["rollout.device='cuda'", "no CUDA device"]),
+    "read-only run.dir": (  # /sys refuses new folders even to root, as a read-only mount does
+        lambda d, t: ["run.dir=/sys/qurl-run"],
+        ["run.dir=/sys/qurl-run", "cannot create the run folder there", "(/sys: "],
+    ),
     "no tokenizer": (
         lambda d, t: [f"model.path={_model_without(d, t, ('tokenizer*', 'chat_template*'))}"],
         ["model.path=", "no tokenizer files"],
@@ -230,6 +254,47 @@ def test_a_start_up_error_that_would_recur_fails_once_in_one_line_before_the_fol
     assert all(w in line for w in words), line
     assert not run_dir.exists()  # nothing claimed: the same command runs once the input is fixed
     print(f"{case} (exit {code}): {line}")
+
+
+@pytest.mark.slow  # ~1 minute of processes; needs a tmpfs mount (root in a container, as CI and this machine)
+def test_a_disk_that_fills_during_a_checkpoint_is_one_line_naming_what_is_intact_and_resume_works(demo_dir, tmp_path):
+    """The run folder on a small tmpfs; once checkpoints/step_2 is written a filler takes the rest of the disk, so a
+    later checkpoint cannot be written: exit 1 and one line naming it, the free space and the newest intact one (it
+    was a raw library line); with the filler gone, run.resume=true continues from that one to the end."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        run_dir = disk / "run"
+        proc = start(demo_dir, run_dir, 8, "checkpoint.every=2", "checkpoint.keep=2", "data.eval_files=[]")
+        ckpts = run_dir / "checkpoints"
+        deadline = time.time() + 180
+        while not (ckpts / "step_2" / "manifest.json").exists():
+            assert time.time() < deadline and proc.poll() is None, "no step_2 checkpoint"
+            time.sleep(0.2)
+        with open(disk / "filler", "wb", buffering=0) as f:  # the rest of the disk, then 256 KiB back for the logs
+            try:
+                while f.write(b"\0" * (1 << 20)):
+                    pass
+            except OSError:
+                pass
+            f.truncate(max(0, f.tell() - 256 * 1024))
+        code, out = finish(proc, timeout=240)
+        assert code == 1, out
+        line = next(line for line in out.splitlines() if "cannot write checkpoint" in line)
+        assert "the learner stopped (exit 1)" in line and "No space left on device" in line, line
+        failed, intact = re.search(r"cannot write checkpoint (\S+): .*; (\S+) is intact", line).groups()
+        assert "run.resume=true" in line and not Path(failed).exists() and Path(intact).parent == ckpts, line
+        assert not checkpoint_files.problem(intact)[0]  # the one it names verifies
+        assert not list(ckpts.glob(".tmp-step_*"))  # the partial copy is gone
+        print(f"disk full (exit {code}): {line.strip()}")
+        (disk / "filler").unlink()
+        code, out = finish(start(demo_dir, run_dir, 8, "checkpoint.every=2", "data.eval_files=[]", "run.resume=true"))
+        assert code == 0 and f"resuming from {intact}" in out, out
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def test_a_yaml_syntax_error_names_its_line_and_column(tmp_path):

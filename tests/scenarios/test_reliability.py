@@ -88,6 +88,30 @@ def test_books_balance_through_two_server_kills_and_a_learner_kill(demo_dir, tmp
     print("books after 2 server kills and 1 learner kill:", {k: v for k, v in b.items() if k != "problems"})
 
 
+@pytest.mark.slow  # ~1 minute of processes
+def test_a_stopped_server_is_killed_and_restarted_by_the_watchdog(demo_dir, tmp_path):
+    """SIGSTOP the rollout server: alive, silent, no exit code. qurl-async kills it after run.server_silence_s
+    without a heartbeat, says so, restarts it within run.max_restarts, and the run finishes with balanced books
+    (before the watchdog the learner waited async.wait_timeout_s and exited 1)."""
+    run_dir = tmp_path / "wedged"
+    proc = start(demo_dir, run_dir, 8, "run.server_silence_s=4", "async.wait_timeout_s=120")
+    try:
+        wait_for_step(run_dir, 2)
+        victim = pids(run_dir)["rollout-0"]
+        os.kill(victim, signal.SIGSTOP)
+        code, out = finish(proc, timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, out
+    line = next(line for line in out.splitlines() if "sent no heartbeat" in line)
+    assert f"pid {victim}" in line and "run.server_silence_s=4" in line, line
+    assert "restarting it (1/3)" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"]["rollout-0"] == 1 and summary["steps"] == 8 and summary["books"]["balanced"], summary
+    print(f"watchdog: {line.strip()}")
+
+
 def _ledger() -> dict:
     """Two server sessions and a learner that restarted once; balanced."""
     wire = {
@@ -203,6 +227,25 @@ def test_failing_verifier_and_fuzzed_learner_sockets_leave_a_run_that_completes(
     assert rows[-1]["buffer/bad_messages"] >= sent  # every garbage message on the PULL socket counted
     assert "dropped a bad message" in (run_dir / "logs" / "learner.log").read_text()
     print("reward statuses of trained samples:", status, "; fuzz messages per socket:", sent)
+
+
+@pytest.mark.slow  # ~1 minute of processes
+def test_a_reward_function_failing_on_most_samples_is_loud_and_stops_the_run_with_exit_2(
+    demo_dir, tmp_path, monkeypatch
+):
+    """A custom verifier that raises on a third of the answers and returns a string on another third: the console
+    warns at once with the counts and the first error, and past reward.max_error_frac (0.5) the run stops with
+    exit 2 and one line naming the function (it used to run to the end with exit 0 and say nothing)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    run_dir = tmp_path / "broken"
+    code, out = finish(start(demo_dir, run_dir, 40, "reward.name=reward_fns:mostly_broken", "data.eval_files=[]"))
+    assert code == 2, out
+    warning = next(line for line in out.splitlines() if "WARNING: the reward function failed on" in line)
+    assert "error" in warning and "first: error: " in warning, warning
+    stop = next(line for line in out.splitlines() if "the learner stopped (exit 2)" in line)
+    assert "reward.name=reward_fns:mostly_broken" in stop and "reward.max_error_frac=0.5" in stop, stop
+    assert (run_dir / "checkpoints").exists()  # what was trained is kept: fix the function, then resume
+    print(f"warning: {warning.strip()}\nstop: {stop.strip()}")
 
 
 # -- 3: a learner with no producer waits visibly and stops on its timeout -----------------------------------------
