@@ -1,12 +1,17 @@
 """Starting qurl-async on the prepared demo, as the scenario tests (tests/scenarios/) and the supervisor's tests do:
-a run's overrides, start and finish, waiting for a step, and the one line a refused start must print."""
+a run's overrides, start and finish, waiting for a step, the one line a refused start must print, and garbage
+frames for a live run's sockets."""
 
+import json
 import os
 import subprocess
 import sys
 import time
 
+import numpy as np
+
 from qurl.outputs.report import read_metrics
+from qurl.wire.protocol import Status, encode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QURL_ASYNC = os.path.join(os.path.dirname(sys.executable), "qurl-async")
@@ -74,3 +79,31 @@ def refusal(out: str) -> str:
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1, out
     return lines[0]
+
+
+def fuzz_frames(rng: np.random.Generator, secret: bytes | None) -> list[list[bytes]]:
+    """Random bytes, random JSON headers, and valid messages with one field or frame broken."""
+    good = encode(
+        Status(type="heartbeat", server_id="fuzz", version=0), sender="fuzz", session="f", seq=0, secret=secret
+    )
+    out = [[rng.bytes(int(rng.integers(0, 300))) for _ in range(int(rng.integers(1, 4)))] for _ in range(60)]
+    for _ in range(30):
+        header = {
+            "kind": rng.choice(["trajectory_group", "status", "weight_push", "x"]),
+            "schema": int(rng.integers(0, 3)),
+            "sender": "fuzz",
+            "session": "f",
+            "seq": int(rng.integers(-2, 5)),
+            "auth": None,
+            "arrays": [{"name": "prompt_ids", "dtype": "int32", "shape": [int(rng.integers(-1, 4))], "nbytes": 8}],
+        }
+        out.append([json.dumps(header).encode(), rng.bytes(8)])
+    for _ in range(30):
+        frames = [bytes(f) for f in good]
+        i = int(rng.integers(0, len(frames)))
+        b = bytearray(frames[i])
+        if b:
+            b[int(rng.integers(0, len(b)))] ^= 0xFF
+        frames[i] = bytes(b)
+        out.append(frames)
+    return out

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from launch import demo_overrides, finish, start, wait_for_step
+from launch import demo_overrides, finish, fuzz_frames, start, wait_for_step
 
 from qurl.outputs import books
 from qurl.outputs.report import read_metrics
@@ -164,34 +164,6 @@ def test_books_name_every_loss_and_the_check_fails_on_a_double_count_or_a_vanish
 # -- 3 and 4: failing verifiers and fuzzed sockets, in one run -----------------------------------------------------
 
 
-def _fuzz_frames(rng: np.random.Generator, secret: bytes | None) -> list[list[bytes]]:
-    """Random bytes, random JSON headers, and valid messages with one field or frame broken."""
-    good = encode(
-        Status(type="heartbeat", server_id="fuzz", version=0), sender="fuzz", session="f", seq=0, secret=secret
-    )
-    out = [[rng.bytes(int(rng.integers(0, 300))) for _ in range(int(rng.integers(1, 4)))] for _ in range(60)]
-    for _ in range(30):
-        header = {
-            "kind": rng.choice(["trajectory_group", "status", "weight_push", "x"]),
-            "schema": int(rng.integers(0, 3)),
-            "sender": "fuzz",
-            "session": "f",
-            "seq": int(rng.integers(-2, 5)),
-            "auth": None,
-            "arrays": [{"name": "prompt_ids", "dtype": "int32", "shape": [int(rng.integers(-1, 4))], "nbytes": 8}],
-        }
-        out.append([json.dumps(header).encode(), rng.bytes(8)])
-    for _ in range(30):
-        frames = [bytes(f) for f in good]
-        i = int(rng.integers(0, len(frames)))
-        b = bytearray(frames[i])
-        if b:
-            b[int(rng.integers(0, len(b)))] ^= 0xFF
-        frames[i] = bytes(b)
-        out.append(frames)
-    return out
-
-
 def test_failing_verifier_and_fuzzed_learner_sockets_leave_a_run_that_completes(demo_dir, tmp_path, monkeypatch):
     """A `module:function` reward that hangs, crashes and returns NaN, and garbage on the learner's PULL and ROUTER
     while it trains: nothing dies, every failure is counted, the run finishes and its books balance."""
@@ -207,7 +179,7 @@ def test_failing_verifier_and_fuzzed_learner_sockets_leave_a_run_that_completes(
         push = transport.connect(ctx, zmq.PUSH, endpoints["trajectories"], max_bytes=1 << 20)
         dealer = transport.connect(ctx, zmq.DEALER, endpoints["control"], max_bytes=1 << 20)
         rng = np.random.default_rng(0)
-        for frames in _fuzz_frames(rng, None):
+        for frames in fuzz_frames(rng, None):
             push.send_multipart(frames)
             dealer.send_multipart(frames)
             sent += 1
