@@ -75,6 +75,7 @@ def test_demo_variants_run(demo_dir, tmp_path, variant):
         assert rows[0]["staleness/max"] == 0 and rows[0]["mismatch/kl_k3"] < 1e-6, rows[0]
 
 
+@pytest.mark.slow  # the default suite's quick fault soak (test_soak.py) SIGKILLs the server too: it stays under 10 min
 def test_killed_rollout_server_is_restarted(demo_dir, tmp_path):
     run_dir = tmp_path / "kill"
     # 12 steps: with max_staleness=2 the learner can hold about three steps' groups, so after a kill at step 2 it

@@ -164,6 +164,8 @@ def test_books_name_every_loss_and_the_check_fails_on_a_double_count_or_a_vanish
 # -- 3 and 4: failing verifiers and fuzzed sockets, in one run -----------------------------------------------------
 
 
+@pytest.mark.slow  # the default suite keeps the pool's failure modes (test_rewards.py) and garbage at both sockets
+# (the quick fault soak, test_soak.py): it stays under 10 minutes
 def test_failing_verifier_and_fuzzed_learner_sockets_leave_a_run_that_completes(demo_dir, tmp_path, monkeypatch):
     """A `module:function` reward that hangs, crashes and returns NaN, and garbage on the learner's PULL and ROUTER
     while it trains: nothing dies, every failure is counted, the run finishes and its books balance."""
