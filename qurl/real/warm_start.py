@@ -32,6 +32,8 @@ class WarmStart:
     warmup: int = 10
     eval_every: int = 5
     dev_size: int = 128
+    # near one half: RL's groups then mix right and wrong samples (at 0.15-0.3 most groups were all wrong and RL
+    # lowered held-out accuracy; docs/RESULTS.md §11)
     target_acc: float = 0.4
     max_new_tokens: int = 16
     seed: int = 0
