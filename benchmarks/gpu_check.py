@@ -89,6 +89,7 @@ def step_learner_step(args: argparse.Namespace) -> dict:
     from learner.batch import Batch
     from learner.model import shard
     from learner.policy_step import DistEnv, PolicyStep
+    from qurl.corrections.spec import LossSpec
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -114,13 +115,8 @@ def step_learner_step(args: argparse.Namespace) -> dict:
         micro_batches="bucketed",
         micro_batch_tokens=16384,
     )
-    algo = SimpleNamespace(
-        loss="acr",
-        eps_low=0.2,
-        eps_high=0.28,
-        tis_cap=2.0,
-        loss_agg="token-mean",
-        dual_clip=None,
+    algo = SimpleNamespace(  # the recipe's objective (ACR, clip-higher) and no KL term
+        **LossSpec(mode="acr", eps_low=0.2, eps_high=0.28, tis_cap=2.0).as_config(),
         kl_coef=0.0,
         kl_kind="k3",
         advantage="grpo",

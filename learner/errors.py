@@ -15,6 +15,11 @@ class Diverged(RuntimeError):
     one line naming the step, the learning rate and the last good checkpoint (empty off rank 0)."""
 
 
+class MismatchStop(Diverged):
+    """The mismatch alarm fired with mismatch.stop: the rollout engine no longer samples the learner's policy; one line
+    naming the steps and the ceiling (empty off rank 0)."""
+
+
 class BadRewards(RuntimeError):
     """Too many recent scores failed (the reward function raised, timed out, returned NaN); one line naming it
     (empty off rank 0)."""

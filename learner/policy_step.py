@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,9 @@ from torch.distributed.tensor import DTensor
 
 from learner.batch import Batch
 from learner.logprobs import token_logprobs
-from qurl.algorithms import LossSpec, group_advantages, kl_penalty, overlong_penalty, policy_loss
+from qurl.algorithms import LossSpec, group_advantages, kept_tokens, kl_penalty, overlong_penalty, policy_loss
+from qurl.corrections.compose import pieces
+from qurl.corrections.metrics import Reducer
 
 if TYPE_CHECKING:  # annotations only: the GPU check imports this without omegaconf
     from omegaconf import DictConfig
@@ -29,15 +30,6 @@ if TYPE_CHECKING:  # annotations only: the GPU check imports this without omegac
 log = logging.getLogger("learner")
 
 FORWARD_COST_TOKENS = 512  # bucketed micro-batches: one more forward costs about this many padded tokens
-LOSS_METRICS = (
-    "actor/clipfrac",
-    "tis/truncated_frac",
-    "acr/widened_frac",
-    "acr/upper_max",
-    "mismatch/kl_k1",
-    "mismatch/kl_k3",
-    "mismatch/rho_max",
-)
 ENTROPY = "actor/entropy"  # mean entropy of the policy over the batch's response tokens, before its updates
 
 
@@ -93,14 +85,8 @@ class PolicyStep:
     ) -> None:
         self.model, self.reference, self.train_cfg, self.algo, self.env = model, reference, train, algo, env
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
-        self.loss_spec = LossSpec(
-            mode=algo.loss,
-            eps_low=algo.eps_low,
-            eps_high=algo.eps_high,
-            tis_cap=algo.tis_cap,
-            agg=algo.loss_agg,
-            dual_clip=algo.dual_clip,
-        )
+        self.loss_spec = LossSpec.from_config(algo)
+        self.rejects = pieces(self.loss_spec).mask.name != "none"  # its denominator needs pi_prox before a backward
         self.temperature = float(sampling.temperature)  # 0 (greedy) means unscaled logits
         self.max_new_tokens = sampling.max_new_tokens
         self.pad_id = pad_token_id(model.config)
@@ -125,8 +111,9 @@ class PolicyStep:
         algo = self.algo
         advantages, metrics = self._advantages(batch)
         plan, totals = self._plan(batch, advantages)
-        # one mini-batch of a dropout-free model: the first update's own forward is the proximal policy
-        reuse_prox = len(plan) == 1 and self.dropout_free
+        # one mini-batch of a dropout-free model: the first update's own forward is the proximal policy (unless a
+        # rejection mask must count the tokens it keeps, from pi_prox, before the first backward)
+        reuse_prox = len(plan) == 1 and self.dropout_free and not self.rejects
         entropy = torch.zeros((), dtype=torch.float64)  # token-weighted sum over this rank's response tokens
         self.model.eval()
         with torch.no_grad():
@@ -139,15 +126,17 @@ class PolicyStep:
                 else None
             )
         self.model.train()
+        # rejected tokens leave the denominator too: count what every rank keeps
+        denominators = self._kept_totals(plan, prox) if self.rejects else totals
         lr = self.lr(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         token_mean = algo.loss_agg == "token-mean"
-        sums: Counter = Counter()  # loss-metric sums weighted by tokens
-        maxes: dict[str, float] = {}
+        reducer = Reducer()
         losses, kls, norms, applied = [], [], [], 0
         for i, mini in enumerate(plan):
-            tokens, seqs = totals[i].tolist()
+            tokens = float(totals[i, 0])  # every response token: the KL penalty's denominator
+            kept, seqs = (max(v, 1.0) for v in denominators[i].tolist())
             self.optimizer.zero_grad(set_to_none=True)
             finite, pg_sum, kl_sum = True, 0.0, 0.0
             for j, m in enumerate(mini):
@@ -160,8 +149,9 @@ class PolicyStep:
                     m.mask,
                     self.loss_spec,
                 )
-                local = m.tokens if token_mean else int(m.mask.any(-1).sum())
-                pg = loss * (local / (tokens if token_mean else seqs))
+                keep = kept_tokens(prox[i][j], m.behav_logp, m.mask, self.loss_spec) if self.rejects else m.mask
+                local = int(keep.sum()) if token_mean else int(keep.any(-1).sum())
+                pg = loss * (local / (kept if token_mean else seqs))
                 kl = (
                     (kl_penalty(logp, ref[i][j], algo.kl_kind) * m.mask).sum() / tokens
                     if ref is not None
@@ -175,11 +165,7 @@ class PolicyStep:
                     break
                 (total * self.env.world).backward()  # FSDP averages gradients over ranks; the loss is already global
                 pg_sum, kl_sum = pg_sum + check[0].item(), kl_sum + check[1].item()
-                for key, value in lm.items():
-                    if key.endswith("_max"):
-                        maxes[key] = max(maxes.get(key, 0.0), value)
-                    else:
-                        sums[key] += value * m.tokens
+                reducer.add(lm, m.tokens, int(m.mask.any(-1).sum()))
             if finite:
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
                 norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
@@ -194,7 +180,7 @@ class PolicyStep:
                 self.optimizer.zero_grad(set_to_none=True)
                 losses.append(float("nan"))
                 log.warning("step %d: non-finite loss or grad norm in mini-batch %d; update skipped", step + 1, i)
-        metrics.update(_reduce_loss_metrics(sums, maxes, float(totals[:, 0].sum())))
+        metrics.update(reducer.reduce(_all_sum, _all_max))
         dist.all_reduce(entropy)
         metrics[ENTROPY] = entropy.item() / max(float(totals[:, 0].sum()), 1.0)
         metrics.update(
@@ -211,6 +197,17 @@ class PolicyStep:
         if ref is not None:
             metrics["loss/kl"] = _mean(kls)
         return StepResult(applied > 0, len(plan) - applied, metrics)
+
+    def _kept_totals(self, plan: list[list[MicroBatch]], prox: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Collective: the global [tokens, sequences] the rejection mask keeps, per mini-batch."""
+        per_mini = torch.zeros(len(plan), 2, dtype=torch.float64)
+        for i, mini in enumerate(plan):
+            for j, m in enumerate(mini):
+                keep = kept_tokens(prox[i][j], m.behav_logp, m.mask, self.loss_spec)
+                per_mini[i, 0] += int(keep.sum())
+                per_mini[i, 1] += int(keep.any(-1).sum())
+        dist.all_reduce(per_mini)
+        return per_mini
 
     def _logprobs(self, model: nn.Module, m: MicroBatch, entropy: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probs of m's tokens under `model`; adds the entropy summed over m's response tokens to `entropy`."""
@@ -335,20 +332,16 @@ def _head_weight(model: nn.Module) -> float:
     return head / max(body, 1)
 
 
-def _reduce_loss_metrics(sums: Counter, maxes: dict, tokens: float) -> dict:
-    """Token-weighted means and maxima of policy_loss's metrics over every rank and micro-batch."""
-    out = dict.fromkeys(LOSS_METRICS, float("nan"))  # a step whose every update was skipped logs null
-    keys = sorted(sums)
-    if not keys:
-        return out
-    mean_t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(mean_t)
-    max_keys = sorted(maxes)
-    max_t = torch.tensor([maxes[k] for k in max_keys], dtype=torch.float64)
-    dist.all_reduce(max_t, op=dist.ReduceOp.MAX)
-    out.update({k: v / max(tokens, 1.0) for k, v in zip(keys, mean_t.tolist())})
-    out.update(zip(max_keys, max_t.tolist()))
-    return out
+def _all_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _all_max(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 def _mean(values: list[float]) -> float:

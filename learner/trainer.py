@@ -26,9 +26,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from learner import checkpoint, weight_sync
 from learner.checkpointer import Checkpointer, TrainState
-from learner.errors import BadRewards, StartError, all_started, first_line
+from learner.errors import BadRewards, MismatchStop, StartError, all_started, first_line
 from learner.evaluation import Evaluation, FpEvaluator, acc_fp_mode
 from learner.hub import Hub
+from learner.mismatch_alarm import MismatchAlarm
 from learner.model import build_policy, invariant_scaling
 from learner.policy_step import DistEnv, PolicyStep
 from learner.reward_health import RewardHealth
@@ -81,6 +82,7 @@ class Learner:
         self.state = TrainState()
         self.drift_checked = False  # the first batch of this learner life is checked against algo.drift_kl_threshold
         self.skipped_in_a_row = 0  # steps since the last one that updated the weights
+        self.alarm = MismatchAlarm(cfg.mismatch.max_kl, cfg.mismatch.alarm_steps, cfg.mismatch.smoothing)
         self.ckpt = Checkpointer(self.run_dir, cfg.checkpoint, cfg.model.path, cfg.train.lr, self.is_main)
         rewards = RewardHealth(cfg.reward.max_error_frac, cfg.reward.name)
         self.hub = Hub(env, self.policy.pad_id, cfg.train.batch_prompts, cfg.async_, cfg.log.interval_s, rewards)
@@ -139,12 +141,16 @@ class Learner:
             self.state.skipped_updates += result.skipped
             self.skipped_in_a_row = 0 if result.updated else self.skipped_in_a_row + 1
             self.ckpt.require_progress(self.skipped_in_a_row, self.state.step, self.cfg.train.max_skipped_steps)
+            # every rank: the metric is all-reduced, so all of them fire (and stop) at the same step
+            alarm, alarm_line = self.alarm.observe(self.state.step, result.metrics["mismatch/kl_k3"])
             sync = self.weight_sync.metrics() if self.is_main else {}
             if result.updated:
                 self.state.version += 1
                 sync = self._push()
             if self.is_main:
-                last_mark = self._log_step(dict(result.metrics, **info, **sync), started, last_mark)
+                last_mark = self._log_step(dict(result.metrics, **info, **sync, **alarm), started, last_mark)
+            if alarm_line is not None:
+                self._mismatch_alarm(alarm_line)
             if self.ckpt.due(self.state.step):
                 self._checkpoint()
         if self.state.step != self.ckpt.saved_step:
@@ -259,6 +265,19 @@ class Learner:
             metrics["sync/seconds"],
         )
         return now
+
+    def _mismatch_alarm(self, line: str) -> None:
+        """Warn; with mismatch.stop, checkpoint (the learner's weights are sound) and stop with exit 3."""
+        if self.is_main:
+            log.warning("MISMATCH: %s", line)
+        if self.cfg.mismatch.stop:
+            self._checkpoint()
+            raise MismatchStop(
+                f"{line}; stopped at step {self.state.step} (mismatch.stop=true; checkpointed, resume with "
+                "run.resume=true once the push is fixed)"
+                if self.is_main
+                else ""
+            )
 
     def _check_drift(self, kl_k3: float) -> None:
         """Once per learner life, on its first batch: a behaviour/proximal gap far above quantization noise is a bug."""

@@ -1,18 +1,18 @@
-"""The QuRL objective (decoupled PPO + truncated IS + adaptive clipping range), group advantages,
-KL penalties and the DAPO pieces; formulas and open choices in docs/algorithms.md."""
+"""The policy loss composed from its registered pieces (qurl.corrections), group advantages, KL penalties and the
+DAPO pieces; formulas, defaults and open choices in docs/algorithms.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-MODES = ("ppo", "decoupled", "tis", "acr")
-AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+from qurl.corrections.compose import pieces
+from qurl.corrections.metrics import mismatch_metrics
+from qurl.corrections.presets import MODES  # noqa: F401  (qurl's four modes, now presets)
+from qurl.corrections.spec import LossSpec
+from qurl.corrections.tokens import LOG_RATIO_CLAMP, Tokens
+
 ESTIMATORS = ("grpo", "drgrpo", "rloo")
 KL_KINDS = ("k1", "k2", "k3")
-LOG_RATIO_CLAMP = 20.0
-ACR_UPPER_LOG_THRESHOLD = 100.0  # acr/upper_over_100_frac counts bounds above this (no cap is applied)
 
 
 def _groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,32 +89,6 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str) -> torch.T
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-@dataclass(frozen=True)
-class LossSpec:
-    """The objective's settings, checked once where they are built (config.algo); policy_loss trusts them."""
-
-    mode: str
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    tis_cap: float = 2.0
-    agg: str = "token-mean"
-    dual_clip: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"loss mode must be one of {MODES}, got {self.mode!r}")
-        if self.agg not in AGGS:
-            raise ValueError(f"loss aggregation must be one of {AGGS}, got {self.agg!r}")
-        if not 0 <= self.eps_low < 1:
-            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
-        if self.eps_high < 0:
-            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
-        if not self.tis_cap > 0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
-
-
 def _check_shapes(
     logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> None:
@@ -128,6 +102,12 @@ def _check_shapes(
         raise ValueError(f"advantages must be [B] or [B, T] = {tuple(logp.shape)}, got {tuple(advantages.shape)}")
 
 
+def kept_tokens(logp_prox: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    """[B, T] bool: the response tokens the spec's rejection mask keeps (the loss's denominator counts these)."""
+    t = Tokens.clean(logp_prox, logp_prox, logp_behav, torch.zeros(mask.shape[:1], device=mask.device), mask)
+    return pieces(spec).mask.fn(t, spec)
+
+
 def policy_loss(
     logp: torch.Tensor,
     logp_prox: torch.Tensor,
@@ -136,74 +116,29 @@ def policy_loss(
     mask: torch.Tensor,
     spec: LossSpec,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate that corrects for a quantized, stale sampler; returns (loss, metrics)."""
+    """weight x mask x surrogate, each a registered piece (qurl.corrections); returns (loss, metrics).
+
+    The loss is normalised by the tokens (or rows) the rejection mask keeps, so rejected tokens leave the numerator
+    and the denominator alike."""
     _check_shapes(logp, logp_prox, logp_behav, advantages, mask)
-    mode, eps_low, eps_high, tis_cap, agg, dual_clip = (
-        spec.mode,
-        spec.eps_low,
-        spec.eps_high,
-        spec.tis_cap,
-        spec.agg,
-        spec.dual_clip,
-    )
-    m = mask.bool()
+    t = Tokens.clean(logp, logp_prox, logp_behav, advantages, mask)
+    use = pieces(spec)
+    weight, truncated = use.weight.fn(t, spec)
+    keep = use.mask.fn(t, spec)
+    sur = use.objective.fn(t, spec, use.clip.fn(t, spec), use.bypass)
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
-    # fp32 throughout; masked positions may hold padding garbage (NaN, inf): zero it before any arithmetic
-    logp = torch.where(m, logp.float(), zero)
-    logp_prox = torch.where(m, logp_prox.detach().float(), zero)
-    logp_behav = torch.where(m, logp_behav.detach().float(), zero)
-    adv = advantages.detach().float()
-    adv = torch.where(m, adv.unsqueeze(-1) if adv.dim() == 1 else adv, zero)
+    per_token = torch.where(keep, weight * sur.per_token, zero)
 
-    log_rho = (logp_prox - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    rho = torch.exp(log_rho)
-    truncated = torch.clamp(rho, max=tis_cap)
-    acr_upper = (1 + eps_high) * torch.clamp(rho / tis_cap, min=1.0)  # (1 + eps_high) / min(1, C / rho)
-    base = logp_behav if mode == "ppo" else logp_prox
-    ratio = torch.exp((logp - base).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    weight = {"ppo": torch.ones_like(rho), "decoupled": rho, "tis": truncated, "acr": truncated}[mode]
-    upper = acr_upper if mode == "acr" else torch.full_like(rho, 1 + eps_high)
-
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, min=torch.full_like(ratio, 1 - eps_low), max=upper)
-    per_token = torch.maximum(unclipped, clipped)
-    if dual_clip is not None:
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)
-    per_token = torch.where(m, weight * per_token, zero)
-
-    mf = m.to(torch.float32)
-    n_tok = mf.sum(-1)
+    kf = keep.to(torch.float32)
+    n_tok = kf.sum(-1)
     rows = (n_tok > 0).to(torch.float32)
-    if agg == "token-mean":
+    if spec.agg == "token-mean":
         loss = per_token.sum() / n_tok.sum().clamp(min=1)
     else:
         row_loss = per_token.sum(-1)
-        if agg == "seq-mean-token-mean":
+        if spec.agg == "seq-mean-token-mean":
             row_loss = row_loss / n_tok.clamp(min=1)
         loss = row_loss.sum() / rows.sum().clamp(min=1)
-
     with torch.no_grad():
-        total = mf.sum().clamp(min=1)
-
-        def frac(cond: torch.Tensor) -> torch.Tensor:
-            return (cond & m).to(torch.float32).sum() / total
-
-        def masked_max(x: torch.Tensor) -> torch.Tensor:  # 0 when nothing is unmasked (x > 0 here)
-            return torch.cat([torch.where(m, x, zero).flatten(), zero.view(1)]).max()
-
-        dual = torch.zeros_like(m)
-        if dual_clip is not None:
-            dual = (adv < 0) & (-adv * dual_clip < torch.maximum(unclipped, clipped))
-        values = {
-            "actor/clipfrac": frac(clipped > unclipped),
-            "actor/dual_clipfrac": frac(dual),
-            "tis/truncated_frac": frac(rho > tis_cap),
-            "acr/widened_frac": frac((adv > 0) & (ratio > 1 + eps_high) & (ratio <= acr_upper)),
-            "acr/upper_max": masked_max(acr_upper),
-            "acr/upper_over_100_frac": frac(acr_upper > ACR_UPPER_LOG_THRESHOLD),
-            "mismatch/kl_k1": (-log_rho * mf).sum() / total,
-            "mismatch/kl_k3": ((rho - 1 - log_rho) * mf).sum() / total,
-            "mismatch/rho_max": masked_max(rho),
-        }
-        metrics = dict(zip(values, torch.stack(list(values.values())).tolist()))  # one device sync
+        metrics = mismatch_metrics(t, weight, truncated, keep, sur, spec)
     return loss, metrics

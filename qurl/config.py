@@ -13,6 +13,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from qurl.corrections.spec import LossSpec
 from qurl.rewards import BUILTIN
 
 
@@ -89,18 +90,43 @@ class OverlongConfig:
 
 @dataclass
 class AlgoConfig:
-    loss: str = "acr"  # ppo | decoupled | tis | acr
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    tis_cap: float = 2.0
-    dual_clip: float | None = None
+    # the objective (LossSpec: its defaults, choices and checks; docs/algorithms.md has every piece and preset)
+    loss: str = LossSpec.mode  # preset: ppo | decoupled | tis | acr | icepop | geo-rs | seq-mis | gspo | cispo
+    weight: str | None = (
+        LossSpec.weight
+    )  # null: the preset's; none | token | token-truncate | sequence-truncate | geometric
+    mask: str | None = LossSpec.mask  # null: the preset's; none | token | sequence | geometric | veto
+    clip: str | None = LossSpec.clip  # null: the preset's; ppo | acr
+    eps_low: float = LossSpec.eps_low
+    eps_high: float = LossSpec.eps_high
+    tis_cap: float = LossSpec.tis_cap
+    dual_clip: float | None = LossSpec.dual_clip
+    loss_agg: str = LossSpec.agg
+    token_mask_low: float = LossSpec.token_mask_low
+    token_mask_high: float = LossSpec.token_mask_high
+    seq_mask_low: float = LossSpec.seq_mask_low
+    seq_mask_high: float = LossSpec.seq_mask_high
+    geo_mask_low: float = LossSpec.geo_mask_low
+    geo_mask_high: float = LossSpec.geo_mask_high
+    veto_floor: float = LossSpec.veto_floor
+    gspo_eps_low: float = LossSpec.gspo_eps_low
+    gspo_eps_high: float = LossSpec.gspo_eps_high
+    cispo_max_ratio: float = LossSpec.cispo_max_ratio
     kl_coef: float = 0.0
     kl_kind: str = "k3"
     advantage: str = "grpo"  # grpo | drgrpo | rloo
-    loss_agg: str = "token-mean"
     dynamic_sampling: bool = False
     drift_kl_threshold: float = 0.05  # first batch's mismatch/kl_k3 above this: warn (wrong model, tokenizer or push)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+
+@dataclass
+class MismatchConfig:
+    # the alarm on the behaviour/proximal gap (learner/mismatch_alarm.py); INT8 W8A8 on SmolLM2-135M runs at ~0.03
+    max_kl: float = 0.1  # ceiling on the smoothed mismatch/kl_k3; 0: no alarm
+    alarm_steps: int = 3  # steps in a row above it before it fires
+    smoothing: float = 0.5  # weight of the newest step in the moving average
+    stop: bool = False  # true: checkpoint and stop the run (exit 3) when it fires; false: warn
 
 
 @dataclass
@@ -207,6 +233,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)  # `async` in YAML and overrides
@@ -225,10 +252,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.engine": ("torch", "sglang"),
     "rollout.quant": ("none", "int8", "fp8"),  # = qurl.quant.QUANT_SETTINGS (no torch here; test_quant checks)
     "rollout.dtype": ("float32", "bfloat16"),
-    "algo.loss": ("ppo", "decoupled", "tis", "acr"),
     "algo.kl_kind": ("k1", "k2", "k3"),
     "algo.advantage": ("grpo", "drgrpo", "rloo"),
-    "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "quant.fp8_granularity": ("block", "channel"),
     "train.lr_schedule": ("constant", "cosine"),
     "train.precision": ("fp32", "bf16", "auto"),
@@ -272,6 +297,9 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "async.max_staleness": (0, True, None),
     "async.wait_timeout_s": (0, True, None),
     "algo.drift_kl_threshold": (0, False, None),
+    "mismatch.max_kl": (0, True, None),
+    "mismatch.alarm_steps": (1, True, None),
+    "mismatch.smoothing": (0, False, 1.0),
     "cluster.learner_ranks": (1, True, None),
     "cluster.rollout_servers": (1, True, None),
     "sync.full_every": (1, True, None),
@@ -376,9 +404,10 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
             raise ConfigError(f"{key}={value!r} is out of range; it must be {rng}")
     if get(cfg, "rollout.sampling.top_k") != -1 and get(cfg, "rollout.sampling.top_k") < 1:
         raise ConfigError("rollout.sampling.top_k must be -1 (off) or >= 1")
-    dual = get(cfg, "algo.dual_clip")
-    if dual is not None and dual <= 1:
-        raise ConfigError(f"algo.dual_clip={dual!r} is out of range; it must be > 1 or null")
+    try:  # the objective's choices and ranges come from its registries (qurl.corrections)
+        LossSpec.from_config(cfg.algo)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if get(cfg, "rollout.n_samples") < 2:
         raise ConfigError(
             f"rollout.n_samples=1 does not work with algo.advantage={get(cfg, 'algo.advantage')} "

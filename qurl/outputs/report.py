@@ -110,8 +110,19 @@ def write_summary(run_dir: str, config_yaml: str, wall_s: float, extra: dict | N
 
 PANELS = [
     ("reward", ["reward/mean", "eval/acc_fp", "eval/acc_quant"]),
-    ("mismatch (behaviour vs proximal)", ["mismatch/kl_k3", "mismatch/kl_k1"]),
-    ("clipping", ["actor/clipfrac", "tis/truncated_frac", "acr/widened_frac"]),
+    ("mismatch KL (behaviour vs proximal)", ["mismatch/kl_k3", "mismatch/kl_k1", "mismatch/kl_k3_smoothed"]),
+    ("mismatch (rollout_corr/)", ["rollout_corr/log_ppl_abs_diff", "rollout_corr/chi2_token"]),
+    ("importance weight", ["rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size"]),
+    (
+        "clipped, truncated, rejected (fraction)",
+        [
+            "actor/clipfrac",
+            "acr/widened_frac",
+            "rollout_corr/rollout_is_ratio_fraction_high",
+            "rollout_corr/rollout_rs_masked_fraction",
+            "rollout_corr/rollout_rs_seq_masked_fraction",
+        ],
+    ),
     ("throughput (response tokens/s)", ["rollout/tokens_per_s"]),
 ]
 
@@ -128,7 +139,7 @@ def _moving_mean(values: tuple, window: int) -> list[float]:
 
 
 def plot_curves(run_dir: str) -> str | None:
-    """Draw curves.png (reward and accuracy, mismatch KL, clip fractions, throughput) over steps."""
+    """Draw curves.png (reward and accuracy, mismatch, importance weights, clipped / rejected shares, throughput)."""
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     if not rows:
         return None
@@ -137,7 +148,7 @@ def plot_curves(run_dir: str) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10), constrained_layout=True)
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for key in keys:
             points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and "step" in r]

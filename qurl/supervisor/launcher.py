@@ -178,7 +178,7 @@ class ProgressBar:
 
         self.path, self.reward = metrics_path, reward
         self.bar = tqdm(total=total, initial=start, desc="qurl", unit="step", dynamic_ncols=True)
-        self.no_signal_warned = self.no_answer_warned = self.reward_failure_warned = False
+        self.no_signal_warned = self.no_answer_warned = self.reward_failure_warned = self.alarm_warned = False
 
     def _warn_reward_failures(self, train: list[dict]) -> bool:
         """Once, at the first failed score: how many failed so far, and the first one's type and message."""
@@ -216,6 +216,14 @@ class ProgressBar:
         self.bar.refresh()
         if not self.reward_failure_warned:
             self.reward_failure_warned = self._warn_reward_failures(train)
+        alarm = next((r for r in train if r.get("mismatch/alarm")), None)
+        if alarm is not None and not self.alarm_warned:
+            self.alarm_warned = True
+            self.bar.write(
+                f"{PROG}: WARNING: the mismatch alarm fired at step {alarm['step']}: smoothed mismatch/kl_k3 "
+                f"{alarm.get('mismatch/kl_k3_smoothed', float('nan')):.3g} above mismatch.max_kl for "
+                "mismatch.alarm_steps steps; suspect the weight push (logs/learner.log has the line)"
+            )
         streak = no_answer_streak(rows)
         if streak >= NO_ANSWER_STEPS and not self.no_answer_warned:
             self.no_answer_warned = True

@@ -25,7 +25,10 @@ def test_demo_run_writes_every_output(demo_dir, tmp_path):
     assert summary["steps"] == 4 and summary["exit_code"] == 0
     assert summary["eval/acc_quant/first"] is not None and summary["eval/acc_quant/final"] is not None
     assert (run_dir / "curves.png").stat().st_size > 10_000
-    assert any(f.startswith("events") for f in os.listdir(run_dir / "tensorboard"))
+    events = [f for f in os.listdir(run_dir / "tensorboard") if f.startswith("events")]
+    tags = b"".join((run_dir / "tensorboard" / f).read_bytes() for f in events)
+    for key in ("rollout_corr/k3_kl", "rollout_corr/chi2_seq", "rollout_corr/rollout_is_eff_sample_size"):
+        assert key.encode() in tags, key  # the mismatch metrics reach TensorBoard, not only metrics.jsonl
     assert (run_dir / "checkpoints" / "step_4" / "manifest.json").exists()
     assert {"learner.log", "rollout-0.log"} <= set(os.listdir(run_dir / "logs"))
     # versions 2.. travel as deltas (sync.full_every=10), and the server's checksums all match
