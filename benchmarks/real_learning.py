@@ -11,6 +11,10 @@ seeds, and the seconds to reach --target-acc) and OUT/real-learning.png, and pri
 
     python benchmarks/real_learning.py [--configs int8-acr-s1.5 bf16 int8-ppo] [--seeds 0 1] [--steps 100]
                                        [--target-acc 0.45] [--report] [--out results]
+    # issue 32's comparison: the corrections on INT8 rollout and on 4-bit weights (the stress regime), a shorter horizon
+    python benchmarks/real_learning.py --configs w4-ppo w4-tis w4-icepop w4-geo-rs w4-acr w4-acr-s1.5 int8-ppo \
+        int8-tis int8-icepop int8-geo-rs int8-acr int8-acr-s1.5 bf16 --seeds 0 1 --steps 30 --runs-dir runs/gym-recipe \
+        --out results/corrections  # the 60-step runs of the recipe count, cut at step 30
 """
 
 from __future__ import annotations
@@ -28,10 +32,28 @@ from demo_runs import ROOT, Run, mean_std, read_run, run_all, strip_curves, writ
 from qurl.outputs.report import read_metrics  # noqa: E402
 
 CONFIG = str(ROOT / "configs" / "smollm2-gym-cpu.yaml")
+NO_SCALING = ["quant.invariant_scaling.s=1.0"]
+FOUR_BIT = ["quant.weight_bits=4"]  # the stress regime: int8 codes on a 4-bit grid (a mismatch study knob)
 CONFIGS: dict[str, list[str]] = {
     "int8-acr-s1.5": [],  # the recipe itself: INT8 W8A8 rollout, ACR, invariant scaling s = 1.5
-    "bf16": ["rollout.quant=none", "rollout.dtype=bfloat16", "quant.invariant_scaling.s=1.0"],
-    "int8-ppo": ["algo.loss=ppo", "quant.invariant_scaling.s=1.0"],  # naive: no correction for the mismatch
+    "bf16": ["rollout.quant=none", "rollout.dtype=bfloat16", *NO_SCALING],
+    "int8-ppo": ["algo.loss=ppo", *NO_SCALING],  # naive: no correction for the mismatch
+    # issue 32's comparison of the corrections (docs/algorithms.md), INT8 rollout, then 4-bit weights
+    "int8-tis": ["algo.loss=tis", *NO_SCALING],
+    "int8-icepop": ["algo.loss=icepop", *NO_SCALING],
+    "int8-geo-rs": ["algo.loss=geo-rs", *NO_SCALING],
+    "int8-acr": NO_SCALING,
+    **{
+        f"w4-{name}": [*overrides, *FOUR_BIT]
+        for name, overrides in (
+            ("ppo", ["algo.loss=ppo", *NO_SCALING]),
+            ("tis", ["algo.loss=tis", *NO_SCALING]),
+            ("icepop", ["algo.loss=icepop", *NO_SCALING]),
+            ("geo-rs", ["algo.loss=geo-rs", *NO_SCALING]),
+            ("acr", NO_SCALING),
+            ("acr-s1.5", []),
+        )
+    },
 }
 STEPS = 100
 QUIET = ["log.tensorboard=false", "checkpoint.every=0", "checkpoint.keep=1"]
@@ -81,7 +103,17 @@ def summarise(rows: list[dict], target: float) -> list[dict]:
             entry[f"{name}_s_to_target"] = times
         entry["reward_first10"] = mean_std([_avg(r["curves"]["reward/mean"][:10]) for r in mine])[0]
         entry["reward_last10"] = mean_std([_avg(r["curves"]["reward/mean"][-10:]) for r in mine])[0]
-        entry["kl_k3_mean"] = mean_std([_avg(r["curves"]["mismatch/kl_k3"]) for r in mine])[0]
+        for key in ("eval/acc_fp", "eval/acc_quant"):
+            best = [max((a for _, _, a in r["timed"][key]), default=None) for r in mine]
+            entry[f"{key.split('/')[1]}_best"], entry[f"{key.split('/')[1]}_best_std"] = mean_std(best)
+        for key, name in (
+            ("mismatch/kl_k3", "kl_k3_mean"),
+            ("rollout_corr/log_ppl_abs_diff", "log_ppl_abs_diff_mean"),
+            ("rollout_corr/rollout_is_ratio_fraction_high", "truncated_frac_mean"),
+            ("rollout_corr/rollout_rs_masked_fraction", "masked_token_frac_mean"),
+            ("rollout_corr/rollout_rs_seq_masked_fraction", "masked_seq_frac_mean"),
+        ):
+            entry[name] = mean_std([_avg(r["curves"].get(key) or []) for r in mine])[0]
         entry["steps"] = mean_std([r["steps"] for r in mine])[0]
         entry["rl_s"] = mean_std([max(r["seconds"].values(), default=None) for r in mine])[0]
         out.append(entry)
@@ -126,14 +158,16 @@ def plot(rows: list[dict], path: str, target: float) -> None:
     for ax in axes[1:]:
         ax.axhline(target, color="grey", lw=0.8)
     axes[0].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M on reasoning-gym arithmetic after a warm start: INT8 vs bf16 rollout (2-core CPU)")
+    fig.suptitle(
+        "SmolLM2-135M on reasoning-gym arithmetic after a warm start, per rollout format and correction (2-core CPU)"
+    )
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="real_learning.py", description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS)[:3], choices=list(CONFIGS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--target-acc", type=float, default=0.45, help="accuracy whose wall-clock time is reported")

@@ -45,7 +45,7 @@ def test_every_piece_reads_spec_fields_and_every_preset_resolves():
         ("algo.mask=kpop", "algo.mask='kpop' is not allowed; choose one of: none, token, sequence"),
         ("algo.clip=dppo", "algo.clip='dppo' is not allowed; choose one of: ppo, acr"),
         ("algo.loss=grpo", "algo.loss (loss mode) 'grpo' is not allowed; choose one of: ppo, decoupled"),
-        ("algo.geo_mask_low=1.1", "algo.geo_mask_low/high = 1.1/1.05"),
+        ("algo.geo_mask_low=1.2", "algo.geo_mask_low/high = 1.2/1.1"),
         ("algo.veto_floor=0", "algo.veto_floor must be in (0, 1)"),
         ("algo.dual_clip=1", "algo.dual_clip must be > 1"),
     ],

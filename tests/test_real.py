@@ -301,7 +301,7 @@ def test_gym_recipe_runs_end_to_end(real_dir: Path, tmp_path: Path) -> None:
 # INT8 W8A8's step-0 mismatch on the real model (3 prompts x 32 sampled tokens, seeds 0-2): measured 0.018 on an AMD
 # EPYC Zen 4 (AVX-512 VNNI). The ceiling is 2.5x that (other CPUs' kernels round differently and sample other
 # tokens), the floor a quarter: a regression in quantization or in the engine leaves the band (4-bit weights give
-# ~0.1; a silent fall-back to full precision, ~0)
+# ~0.5 on the warm-started model, benchmarks/rejection.py; a silent fall-back to full precision, ~0)
 MISMATCH_FLOOR, MISMATCH_CEILING = 0.005, 0.045
 
 

@@ -28,8 +28,8 @@ class LossSpec:
     token_mask_high: float = 5.0
     seq_mask_low: float = 0.5  # sequence mask on the product of rho (verl Seq-MIS, SkyRL, slime)
     seq_mask_high: float = 2.0
-    geo_mask_low: float = 0.95  # geometric mask on exp(mean log rho): set for INT8 rollout (docs/algorithms.md)
-    geo_mask_high: float = 1.05
+    geo_mask_low: float = 0.9  # geometric mask on exp(mean log rho): set for INT8 rollout (docs/RESULTS.md §12)
+    geo_mask_high: float = 1.1
     veto_floor: float = 1e-4  # veto: drop a sequence holding any token with rho below this (verl, slime)
     gspo_eps_low: float = 3e-4  # GSPO's own clip on the sequence ratio (verl's example recipe)
     gspo_eps_high: float = 4e-4

@@ -14,7 +14,7 @@ from qurl.config import ConfigError, load_config, to_yaml
 # Exit codes every qurl process uses. qurl-async restarts a rollout server only for EXIT_FAULT (or a signal).
 EXIT_FAULT = 1  # a fault that can pass: a crash, a timeout; resume or restart
 EXIT_INPUT = 2  # config, input files or run folder wrong: every try fails the same way until an operator fixes it
-EXIT_DIVERGED = 3  # weights non-finite, or every update skipped step after step: nothing bad was pushed or written
+EXIT_DIVERGED = 3  # weights non-finite, updates skipped step after step, or the mismatch alarm with mismatch.stop
 _PR_SET_PDEATHSIG = 1
 
 
