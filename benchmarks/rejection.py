@@ -28,8 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit, machine_info  # noqa: E402
 
-from qurl.corrections.compose import pieces  # noqa: E402,F401  (fills the registries)
-from qurl.corrections.registry import MASKS  # noqa: E402
+from qurl.algorithms import kept_tokens  # noqa: E402
 from qurl.corrections.spec import LossSpec  # noqa: E402
 from qurl.corrections.tokens import Tokens  # noqa: E402
 from qurl.data import PromptDataset  # noqa: E402
@@ -118,7 +117,7 @@ def measure(case: str, fmt: str, n_prompts: int) -> dict:
         "rejected": {},
     }
     for name, mask_name, bounds in BOUNDS:
-        keep = MASKS[mask_name].fn(t, LossSpec(**bounds))
+        keep = kept_tokens(prox, behav, mask, LossSpec(mask=mask_name, **bounds))
         out["rejected"][name] = {
             "tokens": 1 - keep.sum().item() / mask.sum().item(),
             "sequences": (mask & ~keep).any(-1).float().mean().item(),

@@ -126,8 +126,8 @@ class PolicyStep:
                 else None
             )
         self.model.train()
-        # rejected tokens leave the denominator too: count what every rank keeps
-        denominators = self._kept_totals(plan, prox) if self.rejects else totals
+        # rejected tokens leave the denominator too: count what every rank keeps ([tokens, rows] per micro-batch)
+        kept_local, denominators = self._kept(plan, prox) if self.rejects else (None, totals)
         lr = self.lr(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -149,9 +149,8 @@ class PolicyStep:
                     m.mask,
                     self.loss_spec,
                 )
-                keep = kept_tokens(prox[i][j], m.behav_logp, m.mask, self.loss_spec) if self.rejects else m.mask
-                local = int(keep.sum()) if token_mean else int(keep.any(-1).sum())
-                pg = loss * (local / (kept if token_mean else seqs))
+                local = kept_local[i][j] if self.rejects else (m.tokens, int(m.mask.any(-1).sum()))
+                pg = loss * (local[0] / kept if token_mean else local[1] / seqs)
                 kl = (
                     (kl_penalty(logp, ref[i][j], algo.kl_kind) * m.mask).sum() / tokens
                     if ref is not None
@@ -198,16 +197,19 @@ class PolicyStep:
             metrics["loss/kl"] = _mean(kls)
         return StepResult(applied > 0, len(plan) - applied, metrics)
 
-    def _kept_totals(self, plan: list[list[MicroBatch]], prox: list[list[torch.Tensor]]) -> torch.Tensor:
-        """Collective: the global [tokens, sequences] the rejection mask keeps, per mini-batch."""
-        per_mini = torch.zeros(len(plan), 2, dtype=torch.float64)
+    def _kept(self, plan: list[list[MicroBatch]], prox: list[list[torch.Tensor]]) -> tuple[list, torch.Tensor]:
+        """Collective: the [tokens, rows] the rejection mask keeps in each micro-batch, and their global sums per
+        mini-batch (the loss's denominators)."""
+        local = []
         for i, mini in enumerate(plan):
+            counts = []
             for j, m in enumerate(mini):
                 keep = kept_tokens(prox[i][j], m.behav_logp, m.mask, self.loss_spec)
-                per_mini[i, 0] += int(keep.sum())
-                per_mini[i, 1] += int(keep.any(-1).sum())
-        dist.all_reduce(per_mini)
-        return per_mini
+                counts.append((int(keep.sum()), int(keep.any(-1).sum())))
+            local.append(counts)
+        totals = torch.tensor([[float(sum(c)) for c in zip(*counts)] for counts in local], dtype=torch.float64)
+        dist.all_reduce(totals)
+        return local, totals
 
     def _logprobs(self, model: nn.Module, m: MicroBatch, entropy: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probs of m's tokens under `model`; adds the entropy summed over m's response tokens to `entropy`."""

@@ -92,9 +92,7 @@ class OverlongConfig:
 class AlgoConfig:
     # the objective (LossSpec: its defaults, choices and checks; docs/algorithms.md has every piece and preset)
     loss: str = LossSpec.mode  # preset: ppo | decoupled | tis | acr | icepop | geo-rs | seq-mis | gspo | cispo
-    weight: str | None = (
-        LossSpec.weight
-    )  # null: the preset's; none | token | token-truncate | sequence-truncate | geometric
+    weight: str | None = LossSpec.weight  # null: the preset's; a name from qurl/corrections/weights.py
     mask: str | None = LossSpec.mask  # null: the preset's; none | token | sequence | geometric | veto
     clip: str | None = LossSpec.clip  # null: the preset's; ppo | acr
     eps_low: float = LossSpec.eps_low

@@ -11,7 +11,7 @@ import torch
 from qurl.corrections.clips import acr
 from qurl.corrections.metric_keys import ACR_UPPER_LOG_THRESHOLD, ESS, IS_MEAN, IS_STD, REDUCE
 from qurl.corrections.objectives import Surrogate
-from qurl.corrections.tokens import Tokens
+from qurl.corrections.tokens import LOG_RATIO_CLAMP, Tokens
 
 
 def _extreme(x: torch.Tensor, valid: torch.Tensor, largest: bool) -> torch.Tensor:
@@ -44,7 +44,8 @@ def mismatch_metrics(
     w_mean = tok(w)
     mean_train, mean_rollout = t.row_mean(t.logp_prox), t.row_mean(t.logp_behav)
     log_ppl_diff = mean_rollout - mean_train  # log(training ppl / rollout ppl) per row
-    seq_rho = torch.exp(t.row_sum(log_rho).clamp(-20, 20))
+    seq_rho = torch.exp(t.row_sum(log_rho).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    k1, k3 = tok(-log_rho), tok(rho - 1 - log_rho)
     kept_rows = (keep & m).any(-1)
     values = {
         "actor/clipfrac": tok(sur.clipped),
@@ -53,11 +54,11 @@ def mismatch_metrics(
         "acr/widened_frac": tok((t.adv > 0) & (sur.ratio > 1 + spec.eps_high) & (sur.ratio <= upper)),
         "acr/upper_max": _extreme(upper, m, True),
         "acr/upper_over_100_frac": tok(upper > ACR_UPPER_LOG_THRESHOLD),
-        "mismatch/kl_k1": tok(-log_rho),
-        "mismatch/kl_k3": tok(rho - 1 - log_rho),
+        "mismatch/kl_k1": k1,
+        "mismatch/kl_k3": k3,
         "mismatch/rho_max": _extreme(rho, m, True),
-        "rollout_corr/kl": tok(-log_rho),
-        "rollout_corr/k3_kl": tok(rho - 1 - log_rho),
+        "rollout_corr/kl": k1,  # verl's names for the same two estimates
+        "rollout_corr/k3_kl": k3,
         "rollout_corr/training_ppl": seq(torch.exp(-mean_train)),
         "rollout_corr/rollout_ppl": seq(torch.exp(-mean_rollout)),
         "rollout_corr/ppl_ratio": seq(torch.exp(log_ppl_diff)),

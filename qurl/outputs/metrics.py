@@ -13,35 +13,25 @@ from qurl.corrections.metric_keys import REDUCE
 log = logging.getLogger(__name__)
 
 # design.md §6: every learner step's row holds at least these
-CONTRACT_KEYS = tuple(
-    dict.fromkeys(
-        (
-            "step",
-            "version",
-            "time/step_s",
-            "reward/mean",
-            "reward/std",
-            "loss/policy",
-            "actor/clipfrac",
-            "actor/grad_norm",
-            "mismatch/kl_k1",
-            "mismatch/kl_k3",
-            "mismatch/rho_max",
-            "tis/truncated_frac",
-            "acr/widened_frac",
-            "mismatch/kl_k3_smoothed",
-            "mismatch/alarm",
-            *REDUCE,  # the mismatch and correction metrics of every mode (qurl/corrections/metrics.py)
-            "staleness/mean",
-            "staleness/max",
-            "buffer/dropped_stale",
-            "rollout/tokens_per_s",
-            "rollout/response_len_mean",
-            "sync/seconds",
-            "sync/bytes",
-            "sync/changed_frac",
-        )
-    )
+CONTRACT_KEYS = (
+    "step",
+    "version",
+    "time/step_s",
+    "reward/mean",
+    "reward/std",
+    "loss/policy",
+    "actor/grad_norm",
+    *REDUCE,  # the objective's mismatch and correction metrics, every mode (qurl/corrections/metric_keys.py)
+    "mismatch/kl_k3_smoothed",
+    "mismatch/alarm",
+    "staleness/mean",
+    "staleness/max",
+    "buffer/dropped_stale",
+    "rollout/tokens_per_s",
+    "rollout/response_len_mean",
+    "sync/seconds",
+    "sync/bytes",
+    "sync/changed_frac",
 )
 
 
