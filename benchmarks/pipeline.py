@@ -4,8 +4,9 @@
 Workloads: `demo` (default; the CPU demo, staleness 0, 1, 2, 4: its learner dominates) and `real`, shaped like
 RL rollout: the SmolLM2-135M / GSM recipe (configs/smollm2-gsm-cpu.yaml, prepared by qurl-prepare-real) with
 8 samples per prompt, up to 256 new tokens, 2 prompts per step, one update per step, no evaluation or
-checkpoints; rows int8 and none in fp32 at sync and staleness 1, and none with a bf16 model (the fair
-16-bit baseline) at sync.
+checkpoints; rows int8 and none in fp32 at sync and staleness 1, none with a bf16 model (the fair
+16-bit baseline), and int8 with bf16 activations and the int8 lm_head (`int8+bf16+head`, INT8 at its fastest
+decode), each at sync and staleness 1. --formats picks some of them.
 
 The runs go one at a time (timing). The first --warmup steps of each run are left out; over the rest, a
 step's wall time is time/wait_s (the learner waiting for trajectories) + time/step_s (proximal pass,
@@ -38,13 +39,17 @@ from demo_runs import QUICK, ROOT, Run, demo, demo_overrides, read_run, run_all 
 QUANTS = ("int8", "none")
 STALENESS = (0, 1, 2, 4)
 REAL_CONFIG = str(ROOT / "configs" / "smollm2-gsm-cpu.yaml")
-# (quant, rollout dtype, max_staleness) of the real workload
+# (quant, rollout dtype, int8 lm_head, max_staleness) of the real workload
 REAL_ROWS = (
-    ("int8", "float32", 0),
-    ("none", "float32", 0),
-    ("int8", "float32", 1),
-    ("none", "float32", 1),
-    ("none", "bfloat16", 0),
+    ("int8", "float32", False, 0),
+    ("none", "float32", False, 0),
+    ("int8", "float32", False, 1),
+    ("none", "float32", False, 1),
+    ("none", "bfloat16", False, 0),
+    # issue 33: INT8 as fast as it decodes (bf16 activations, the int8 lm_head) against bf16 rollout
+    ("none", "bfloat16", False, 1),
+    ("int8", "bfloat16", True, 0),
+    ("int8", "bfloat16", True, 1),
 )
 REAL_SHAPE = [
     "rollout.n_samples=8",
@@ -57,9 +62,10 @@ REAL_SHAPE = [
 REAL_QUICK = ["rollout.n_samples=2", "rollout.sampling.max_new_tokens=16", "train.batch_prompts=1"]
 
 
-def label(quant: str, dtype: str) -> str:
-    """int8, none, none+bf16, ...: the rollout format of a row."""
-    return quant if dtype == "float32" else f"{quant}+{'bf16' if dtype == 'bfloat16' else dtype}"
+def label(quant: str, dtype: str, head: bool = False) -> str:
+    """int8, none, none+bf16, int8+bf16+head, ...: the rollout format of a row."""
+    name = quant if dtype == "float32" else f"{quant}+{'bf16' if dtype == 'bfloat16' else dtype}"
+    return name + "+head" if head else name
 
 
 def measure(row: dict, warmup: int) -> dict:
@@ -107,7 +113,7 @@ def measure(row: dict, warmup: int) -> dict:
 def ratios(rows: list[dict]) -> dict:
     """steps_per_hour async / sync per format and staleness, each format over fp32 `none` per staleness, and
     (sync rows) the rollout's own speed-up over fp32 `none`: its wait and its engine time per step."""
-    by = {(label(r["quant"], r["dtype"]), r["max_staleness"]): r for r in rows}
+    by = {(label(r["quant"], r["dtype"], r.get("lm_head", False)), r["max_staleness"]): r for r in rows}
     out: dict = {"async_over_sync": {}, "int8_over_none": {}, "over_fp32_none": {}, "rollout_speedup": {}}
     for (fmt, ms), row in by.items():
         value, base, fp32 = row.get("steps_per_hour"), by.get((fmt, 0), {}), by.get(("none", ms), {})
@@ -125,6 +131,15 @@ def ratios(rows: list[dict]) -> dict:
             for key in ("wait_s_mean", "engine_s_per_step", "wait_ms_per_token", "engine_ms_per_token"):
                 if row.get(key) and fp32.get(key):
                     out["rollout_speedup"][f"{fmt}/{key}"] = round(fp32[key] / row[key], 3)
+    for ms in STALENESS:  # issue 33: INT8 at its fastest against bf16 rollout, steps and tokens per hour
+        a, b = by.get(("int8+bf16+head", ms), {}), by.get(("none+bf16", ms), {})
+        if a.get("steps_per_hour") and b.get("steps_per_hour"):
+            out.setdefault("int8_bf16_head_over_none_bf16", {})[f"staleness{ms}"] = {
+                "steps_per_hour": round(a["steps_per_hour"] / b["steps_per_hour"], 3),
+                "tokens_per_hour": round(a["tokens_per_hour"] / b["tokens_per_hour"], 3)
+                if a.get("tokens_per_hour") and b.get("tokens_per_hour")
+                else None,
+            }
     a, b = by.get(("int8", 0), {}), by.get(("none+bf16", 0), {})
     if a.get("steps_per_hour") and b.get("steps_per_hour"):  # int8 (fp32 activations) against the 16-bit baseline
         out["int8_over_none_bf16"] = {
@@ -137,13 +152,13 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
-def demo_runs(args: argparse.Namespace) -> list[tuple[tuple[str, str, int], Run]]:
+def demo_runs(args: argparse.Namespace) -> list[tuple[tuple[str, str, bool, int], Run]]:
     quants, staleness = (("int8",), (0, 1)) if args.quick else (QUANTS, STALENESS)
     root, info = demo("add", args.demo_dir)
     base = demo_overrides(root, info) + (QUICK if args.quick else ["eval.max_problems=32"])
     return [
         (
-            (q, "float32", ms),
+            (q, "float32", False, ms),
             Run(
                 f"{q}-stale{ms}",
                 0,
@@ -158,7 +173,7 @@ def demo_runs(args: argparse.Namespace) -> list[tuple[tuple[str, str, int], Run]
     ]
 
 
-def real_runs(args: argparse.Namespace) -> list[tuple[tuple[str, str, int], Run]]:
+def real_runs(args: argparse.Namespace) -> list[tuple[tuple[str, str, bool, int], Run]]:
     from qurl.real.prepare import MODEL_DIR, default_root, read_info
 
     root = default_root().resolve()
@@ -168,21 +183,24 @@ def real_runs(args: argparse.Namespace) -> list[tuple[tuple[str, str, int], Run]
     if args.quick:
         base += REAL_QUICK
     rows = [r for r in REAL_ROWS if r[0] == "int8" and r[1] == "float32"] if args.quick else REAL_ROWS
-    rows = [r for r in rows if args.staleness is None or r[2] in args.staleness]
+    rows = [r for r in rows if args.staleness is None or r[3] in args.staleness]
+    rows = [r for r in rows if args.formats is None or label(*r[:3]) in args.formats]
     return [
         (
-            (q, dtype, ms),
+            (q, dtype, head, ms),
             Run(
-                f"real-{label(q, dtype)}-stale{ms}",
+                f"real-{label(q, dtype, head)}-stale{ms}",
                 0,
-                base + [f"rollout.quant={q}", f"rollout.dtype={dtype}", f"async.max_staleness={ms}"],
+                base
+                + [f"rollout.quant={q}", f"rollout.dtype={dtype}", f"quant.lm_head={str(head).lower()}"]
+                + [f"async.max_staleness={ms}"],
                 args.steps,
-                os.path.abspath(os.path.join(args.runs_dir, f"real-{label(q, dtype)}-stale{ms}")),
+                os.path.abspath(os.path.join(args.runs_dir, f"real-{label(q, dtype, head)}-stale{ms}")),
                 ["checkpoint.every=0"],
                 config=REAL_CONFIG,
             ),
         )
-        for q, dtype, ms in rows
+        for q, dtype, head, ms in rows
     ]
 
 
@@ -196,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo-dir", default=None)
     p.add_argument(
         "--staleness", type=int, nargs="+", default=None, help="real workload: only the rows at these max_staleness"
+    )
+    p.add_argument(
+        "--formats", nargs="+", default=None, help="real workload: only these formats (int8, none+bf16, int8+bf16+head)"
     )
     p.add_argument("--lock", default=None, help="hold an flock on this file during each run (shared machines)")
     p.add_argument("--quick", action="store_true", help="int8 (fp32) only, staleness 0 and 1, 4 steps, small batches")
@@ -211,12 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     failed = run_all([run for _, run in runs], parallel=1, desc="pipeline", lock=args.lock)
     rows = []
-    for (quant, dtype, ms), run in runs:
+    for (quant, dtype, head, ms), run in runs:
         got = read_run(run)
         rows.append(
             {
                 "quant": quant,
                 "dtype": dtype,
+                "lm_head": head,
                 "max_staleness": ms,
                 "steps": got["steps"],
                 "ok": got["ok"],

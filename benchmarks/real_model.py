@@ -4,8 +4,9 @@ Parts (all by default, or a subset with --parts):
 - mismatch: step-0 mismatch of each rollout format against fp32. The format's engine samples responses (T=1) to
   real held-out prompts; transformers in fp32 (what the learner computes) scores the same tokens. Per token
   log_rho = logp_fp32 - logp_format; reports kl_k3 = mean(rho - 1 - log_rho) and kl_k1 (as the learner's
-  mismatch/kl_* metrics), rho_max and rho_min. Formats int8 and fp8 (block 128x128; a quarter of the tokens,
-  it is slow on CPU) at s = 1, and int8 with invariant scaling s = 1.5 on q/k/v (the recipe: the engine then
+  mismatch/kl_* metrics), rho_max and rho_min. Formats (MISMATCH_FORMATS): bf16; int8 in an fp32 and a bf16
+  engine, each with and without the int8 lm_head (quant.lm_head); fp8 (block 128x128; a quarter of the tokens,
+  it is slow on CPU) at s = 1; and int8 with invariant scaling s = 1.5 on q/k/v (the recipe: the engine then
   holds the scaled weights; fp32 is unchanged by it).
 - decode: tokens/s of the embedded engine per format on real prompts, fixed decode length (no stop token):
   prefill seconds (one new token), and decode tokens/s from the rest of the generation.
@@ -15,6 +16,9 @@ Parts (all by default, or a subset with --parts):
   the pipeline benchmark's rollout-shaped batches (2 prompts x 8 samples of 190-260 prompt tokens, responses of
   16-256 tokens drawn per sample, one update per step); the same batches in both runs. padded_tokens is
   rows x longest row per forward, summed over the step's micro-batches (the learner's actor/padded_tokens).
+  achieved_flops = 6 N padded_tokens / train_s (one update per step: no separate proximal pass) against
+  bf16_matmul_flops, a bf16 [4096, hidden] x [hidden, intermediate] matmul timed in the same run:
+  share_of_matmul_roofline.
 - sync: int8 codes changed per push and delta / full push bytes per engine dtype after AdamW steps at the
   recipe's learning rate (or --sync-lr), s = 1 and 1.5 (benchmarks/sync.py's run on GSM text).
 
@@ -33,7 +37,7 @@ import tempfile
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +50,16 @@ from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 PARTS = ("mismatch", "decode", "learner", "micro", "sync")
 RECIPE_LR = 1e-5  # configs/smollm2-gsm-cpu.yaml train.lr
+# (quant, model dtype, s, int8 lm_head): bf16 rollout's own mismatch, then INT8's with and without the int8 lm_head
+MISMATCH_FORMATS = (
+    ("none", "bfloat16", 1.0, False),
+    ("int8", "float32", 1.0, False),
+    ("int8", "float32", 1.0, True),
+    ("int8", "bfloat16", 1.0, False),
+    ("int8", "bfloat16", 1.0, True),
+    ("fp8", "float32", 1.0, False),
+    ("int8", "float32", 1.5, False),
+)
 DECODE_FORMATS = {
     name: OWN[name] for name in ("fp32", "bf16", "int8", "int8+head", "int8+bf16", "int8+bf16+head", "fp8")
 }
@@ -75,9 +89,9 @@ def scaled_copy(model: str, path: str, s: float) -> str:
 def mismatch_rows(model: str, prompts: list[list[int]], new_tokens: int, tmp: str) -> list[dict]:
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     rows = []
-    for quant, s, head in (("int8", 1.0, False), ("int8", 1.0, True), ("fp8", 1.0, False), ("int8", 1.5, False)):
+    for quant, dtype, s, head in MISMATCH_FORMATS:
         path = model if s == 1.0 else scaled_copy(model, os.path.join(tmp, f"s{s}"), s)
-        engine = load_engine(path, quant=quant, max_batch=len(prompts), max_seq_len=512, int8_lm_head=head)
+        engine = load_engine(path, quant=quant, dtype=dtype, max_batch=len(prompts), max_seq_len=512, int8_lm_head=head)
         tokens = new_tokens if quant != "fp8" else max(2, new_tokens // 4)  # fp8 on CPU is a correctness path
         reqs = [
             GenRequest(p, max_new_tokens=tokens, temperature=1.0, seed=i, stop_token_ids=[2])
@@ -95,6 +109,7 @@ def mismatch_rows(model: str, prompts: list[list[int]], new_tokens: int, tmp: st
             {
                 "part": "mismatch",
                 "quant": quant,
+                "model_dtype": dtype,
                 "s": s,
                 "int8_lm_head": head,
                 "reference": "transformers fp32",
@@ -208,7 +223,30 @@ def micro_rows(model: str, steps: int, threads: int, tmp: str) -> list[dict]:
         print(json.dumps(row), file=sys.stderr, flush=True)
     padded, bucketed = rows
     bucketed["speedup_over_padded"] = padded["train_s"] / bucketed["train_s"]
+    # the roofline: 6 N FLOPs per processed token (forward 2 N, backward 4 N; with one update per step the proximal
+    # log-probs come from the same forward) against the bf16 matmul rate at the model's MLP shape, measured here in
+    # the same run; the lm_head chunks recomputed in backward (learner/logprobs.py) are not counted as useful
+    cfg = AutoConfig.from_pretrained(model)
+    params = sum(t.numel() for t in AutoModelForCausalLM.from_config(cfg).parameters())
+    peak = matmul_flops(cfg.hidden_size, cfg.intermediate_size)
+    for row in rows:
+        row["model_params"] = params
+        row["bf16_matmul_flops"] = round(peak)
+        row["achieved_flops"] = round(6 * params * row["padded_tokens"] / row["train_s"])
+        row["share_of_matmul_roofline"] = round(row["achieved_flops"] / peak, 3)
     return rows
+
+
+def matmul_flops(hidden: int, inter: int, tokens: int = 4096, repeats: int = 7) -> float:
+    """bf16 FLOP/s of one [tokens, hidden] x [hidden, inter] matmul, the learner's MLP shape (median)."""
+    a, b = torch.randn(tokens, hidden, dtype=torch.bfloat16), torch.randn(hidden, inter, dtype=torch.bfloat16)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * tokens * hidden * inter / statistics.median(times)
 
 
 def sync_rows(model: str, gsm: str, pushes: int, threads: int, lr: float) -> list[dict]:

@@ -58,7 +58,14 @@ def build_model(path: str, quick: bool) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-GEMM_OPS = ("mkldnn::_linear_pointwise", "onednn::qlinear_pointwise", "aten::mm", "aten::addmm", "aten::_int_mm")
+GEMM_OPS = (
+    "mkldnn::_linear_pointwise",
+    "onednn::qlinear_pointwise",
+    "aten::mm",
+    "aten::addmm",
+    "aten::_int_mm",
+    "qurl::int8_gemm",
+)
 
 
 def gemm_share(fn) -> float:

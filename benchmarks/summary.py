@@ -28,6 +28,7 @@ BENCHMARKS = (
         [],
         "decode tokens/s of the embedded engine per weight format, against transformers",
     ),
+    ("decode-cpu", "decode", [], "INT8 against bf16 decode on CPU with the CPU kernels, against the byte limit"),
     ("wire", "wire", [], "trajectory messages/s and weight-push MB/s over ZeroMQ"),
     ("learner_step", "learner_step", [], "learner step time, tokens/s, weight-push seconds and bytes per quantization"),
     ("sync", "sync", [], "weight-push cost, full against delta pushes"),

@@ -13,7 +13,7 @@ from typing import Any
 import zmq
 from omegaconf import DictConfig
 
-from qurl.config import get
+from qurl.config import get, int8_lm_head
 from qurl.data import DatasetError
 from qurl.evaluate import load_eval_set, load_prompts
 from qurl.quant import scheme_for
@@ -131,7 +131,7 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
         max_batch=get(cfg, "rollout.max_batch"),
         max_seq_len=get(cfg, "rollout.max_seq_len"),
         weight_bits=get(cfg, "quant.weight_bits"),
-        int8_lm_head=get(cfg, "quant.lm_head"),
+        int8_lm_head=int8_lm_head(cfg),
         **options,
     )
     if hasattr(engine, "close"):

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from conftest import GPU_SGLANG
 
-from qurl.config import ConfigError, get, load_config, to_yaml
+from qurl.config import ConfigError, get, int8_lm_head, load_config, to_yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [
@@ -167,6 +167,16 @@ def test_zmq_is_the_default_and_the_only_transport_on_cpu():
             f"sync.transport={kind}", "rollout.engine=sglang", "rollout.dtype=bfloat16"
         )
     assert "choose one of: zmq, cuda-ipc, nccl" in error("sync.transport=gloo")
+
+
+def test_int8_lm_head_is_on_by_default_where_it_can_be():
+    """quant.lm_head null: on for the torch engine's int8 rollout, off elsewhere; an explicit choice wins."""
+    assert get(_cfg(), "quant.lm_head") is None
+    assert int8_lm_head(_cfg("rollout.engine=torch", "rollout.quant=int8"))
+    assert not int8_lm_head(_cfg("rollout.engine=torch", "rollout.quant=int8", "quant.lm_head=false"))
+    assert not int8_lm_head(_cfg("rollout.engine=torch", "rollout.quant=none"))
+    assert not int8_lm_head(_cfg("rollout.engine=sglang", "rollout.quant=int8", "rollout.dtype=bfloat16"))
+    assert "quant.lm_head=true needs rollout.quant=int8" in error("rollout.quant=none", "quant.lm_head=true")
 
 
 def test_nccl_refuses_int8_and_cuda_ipc_stays_on_this_node():

@@ -298,18 +298,24 @@ def test_gym_recipe_runs_end_to_end(real_dir: Path, tmp_path: Path) -> None:
     assert json.loads((run / "summary.json").read_text())["books"]["balanced"]
 
 
-# INT8 W8A8's step-0 mismatch on the real model (3 prompts x 32 sampled tokens, seeds 0-2): measured 0.018 on an AMD
-# EPYC Zen 4 (AVX-512 VNNI). The ceiling is 2.5x that (other CPUs' kernels round differently and sample other
-# tokens), the floor a quarter: a regression in quantization or in the engine leaves the band (4-bit weights give
-# ~0.5 on the warm-started model, benchmarks/rejection.py; a silent fall-back to full precision, ~0)
-MISMATCH_FLOOR, MISMATCH_CEILING = 0.005, 0.045
+# INT8 W8A8's step-0 mismatch on the real model (8 prompts x 32 sampled tokens): measured 0.022-0.041 over three
+# seed offsets on an AMD EPYC Zen 4 (AVX-512 VNNI), with the CPU kernels and without (a last-bit change in an
+# activation moves its int8 code, so the two sample other tokens); 0.028-0.030 over 1,024 tokens
+# (benchmarks/real_model.py --parts mismatch, RESULTS §13). The ceiling is twice the highest, the floor a quarter
+# of the lowest: a regression in quantization or in the engine leaves the band (4-bit weights give ~0.5 on the
+# warm-started model, benchmarks/rejection.py; a silent fall-back to full precision, ~0.001)
+MISMATCH_FLOOR, MISMATCH_CEILING = 0.005, 0.08
 
 
-def test_int8_step0_mismatch_on_the_real_model_stays_in_its_band(real_dir: Path, prompts: list[list[int]]) -> None:
+def test_int8_step0_mismatch_on_the_real_model_stays_in_its_band(real_dir: Path) -> None:
     """mismatch/kl_k3 (k3 of fp32 against the INT8 engine's own log-probs) on its sampled tokens, as the learner's
     first batch sees it, between a floor and a ceiling derived from its measured value."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir(real_dir), dtype=torch.float32).eval()
-    engine = load_engine(model_dir(real_dir), quant="int8", max_batch=3, max_seq_len=320)
+    ds = PromptDataset(
+        real_dir / "gsm" / "heldout.jsonl", AutoTokenizer.from_pretrained(model_dir(real_dir)), shuffle=False
+    )
+    prompts = [ds[i].prompt_ids for i in range(8)]
+    engine = load_engine(model_dir(real_dir), quant="int8", max_batch=8, max_seq_len=320)
     reqs = [GenRequest(p, max_new_tokens=32, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
     log_rho = []
     for p, res in zip(prompts, engine.generate(reqs)):

@@ -25,8 +25,12 @@ from qurl.quant import (
     quantize_int8,
     quantize_uint8_shifted,
 )
+from rollout_server.engines.cpu_kernels import int8_gemm_kernels, usable
 
 _CUDA_INT_MM_MIN_M = 17  # cuBLAS int8 GEMM in torch._int_mm needs more than 16 rows
+# up to this many rows (decode batches) the VNNI kernel beats oneDNN's qlinear at SmolLM2's shapes on Zen 4; above it
+# oneDNN is as fast or faster (prefill)
+_VNNI_MAX_ROWS = 32
 _ONEDNN = torch.backends.mkldnn.is_available()
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if _ONEDNN else None
 _ONEDNN_QLINEAR = _ONEDNN and hasattr(torch.ops.onednn, "qlinear_pointwise")
@@ -123,8 +127,10 @@ class Int8Linear(_RowScaled):
         super().__init__(prefixes, tensors, dtype, device)
         # CPU: a oneDNN-prepacked copy of the codes, about 2x faster than torch._int_mm at decode shapes (13-20x
         # with the sign split on an AVX2-only CPU, where _int_mm has no fast kernel)
-        self.packed = None
+        # and, with AVX-512 VNNI, the CPU kernels' panels of the codes for decode batches (csrc/decode_cpu.cpp)
+        self.packed = self.panels = None
         self._onednn = _ONEDNN_QLINEAR and self.weight.device.type == "cpu"
+        self._vnni = int8_gemm_kernels() if self._onednn else None
         if self._onednn:
             self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
             self.split = not onednn_int8_is_exact()
@@ -132,6 +138,8 @@ class Int8Linear(_RowScaled):
             self.repack()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._takes_vnni(x):
+            return self._int8_vnni(x, x.dtype, self.bias)
         if self.packed is not None and x.dtype != torch.float64:
             return self._add_bias(self._int8_onednn(x, x.dtype), x)
         return self._add_bias(int8_matmul(x, self.weight, self.scale_t), x)
@@ -140,12 +148,23 @@ class Int8Linear(_RowScaled):
         """Rebuild the prepacked codes from the int8 buffers; needed after they were written in place."""
         if self._onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
+        if self._vnni is not None:
+            self.panels, self.compensation = self._vnni.int8_pack(self.weight)
+
+    def _takes_vnni(self, x: torch.Tensor) -> bool:
+        return self._vnni is not None and x.dim() == 2 and x.shape[0] <= _VNNI_MAX_ROWS and x.dtype != torch.float64
+
+    def _int8_vnni(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+        """Same math as int8_matmul, exact: the VNNI kernel's u8 x s8 int32 sums, dequantized (+ bias) in one pass."""
+        xu, xs = _quantize_rows(x.contiguous())
+        n = self.weight.shape[0]
+        return torch.ops.qurl.int8_gemm(xu, xs, self.panels, self.compensation, self.scale.view(-1), bias, n, out_dtype)
 
     def _int8_onednn(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Same math as int8_matmul, exact: int8 codes shifted to uint8 with zero point 128 (oneDNN's fast s8 path)."""
         if self.split:
             return self._int8_onednn_split(x, out_dtype)
-        xu, xs = quantize_uint8_shifted(x)
+        xu, xs = _quantize_rows(x)
         acc = _qlinear(xu, 128, self.packed, self.scale.view(-1), self.zero_points)
         if out_dtype == acc.dtype:
             return acc.mul_(xs)
@@ -173,6 +192,8 @@ class Int8Head(Int8Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Logits stay in the int32 sums' fp32: no round trip through a bf16 model dtype."""
+        if self._takes_vnni(x):
+            return self._int8_vnni(x, torch.float32, None)
         if self.packed is not None and x.dtype != torch.float64:
             return self._int8_onednn(x, torch.float32)
         return int8_matmul(x, self.weight, self.scale_t)
@@ -245,6 +266,14 @@ def int8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale_t: torch.Tensor) -> t
     else:
         acc = torch._int_mm(xq, wq.t())  # transposed view: much faster than a contiguous copy on CPU
     return (acc * xs.to(_compute_dtype(x))).mul_(w_scale_t)  # int32 * fp32 promotes to fp32 in the same pass
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_uint8_shifted, in one pass by the CPU kernel where it applies."""
+    k = usable(x)
+    if k is not None and x.dim() == 2 and x.is_contiguous():
+        return k.quantize_uint8_shifted(x)
+    return quantize_uint8_shifted(x)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

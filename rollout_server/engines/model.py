@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from qurl.quant import Scheme
+from rollout_server.engines.cpu_kernels import usable
 from rollout_server.engines.linear import LINEARS, Int8Head, dense_linear
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -167,6 +168,9 @@ def own(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in at least fp32 and scaled in the model dtype, as the HF families do."""
+    k = usable(x)
+    if k is not None and x.dim() == 2 and x.is_contiguous() and weight.dtype == x.dtype and weight.is_contiguous():
+        return k.rms_norm(x, weight, eps)
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -263,7 +267,11 @@ class Transformer:
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps)
-        gate, up = layer.gate_up(x).chunk(2, -1)
+        gate_up = layer.gate_up(x)
+        k = usable(gate_up)
+        if k is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+            return h + layer.down(k.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, -1)
         return h + layer.down(F.silu(gate) * up)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -307,21 +315,32 @@ class Transformer:
         cfg = self.cfg
         b, length = tokens.shape[0], mask.shape[-1]
         group = cfg.num_heads // cfg.num_kv_heads
-        cos, sin = self.cos[positions, None], self.sin_signed[positions, None]
+        cos, sin = self.cos[positions], self.sin_signed[positions]
+        kernels = usable(k_cache)
+        # the CPU kernels: rotary and the cache write in one pass (not under Qwen3's q/k norms), decode attention
+        own_rope = kernels is not None and not cfg.qk_norm
+        own_attention = (
+            kernels is not None and kernels.vector_attention and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
+        )
+        lengths = positions + 1
         h = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, rms_norm(h, layer.input_norm, cfg.rms_norm_eps), cos, sin)
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             kc, vc = k_cache[i], v_cache[i]
-            kc.view(-1, cfg.head_dim).index_copy_(0, write_index, k.reshape(-1, cfg.head_dim))
-            vc.view(-1, cfg.head_dim).index_copy_(0, write_index, v.reshape(-1, cfg.head_dim))
+            if own_rope:
+                q = kernels.rope_cache(layer.qkv(x), cos, sin, kc, vc, positions, cfg.num_heads, cfg.num_kv_heads)
+            else:
+                q, k, v = self._qkv(layer, x, cos[:, None], sin[:, None])
+                kc.view(-1, cfg.head_dim).index_copy_(0, write_index, k.reshape(-1, cfg.head_dim))
+                vc.view(-1, cfg.head_dim).index_copy_(0, write_index, v.reshape(-1, cfg.head_dim))
             # the `group` query heads sharing a kv head act as `group` query positions of one sequence
-            o = F.scaled_dot_product_attention(
-                q.reshape(b, cfg.num_kv_heads, group, cfg.head_dim),
-                kc[:b, :, :length],
-                vc[:b, :, :length],
-                attn_mask=mask,
-                scale=self.scale,
-            ).reshape(b, self.q_size)
+            q = q.reshape(b, cfg.num_kv_heads, group, cfg.head_dim)
+            kv = kc[:b, :, :length], vc[:b, :, :length]
+            if own_attention:
+                o = kernels.decode_attention(q.contiguous(), *kv, lengths, self.scale)
+            else:
+                o = F.scaled_dot_product_attention(q, *kv, attn_mask=mask, scale=self.scale)
+            o = o.reshape(b, self.q_size)
             h = h + layer.o(o)
             h = self._mlp(layer, h)
         return self.logits(h)

@@ -1,0 +1,216 @@
+"""INT8 against bf16 decode on CPU, side by side in one run, each against its byte limit (issue 33).
+
+Models: `smollm2` (the real track's SmolLM2-135M-Instruct, real held-out prompts of the gym and GSM tracks) and
+`qwen2-150m` (common.QWEN2_150M, random weights, prompts of the same lengths). For each batch size, every
+configuration runs once per round, round-robin, so that load from other processes spreads over all of them;
+rows hold medians over rounds. One measurement: all samples admitted in the first engine step (prefill_s, the
+prefill and one decode step), then `--new-tokens` - 1 decode steps (decode_tokens_per_s). Configurations are
+common.OWN's formats, each with the CPU kernels (rollout_server/engines/cpu_kernels.py) and, with `-torch-ops`,
+without them.
+
+Byte limit: a decode step reads every weight once plus each sequence's KV cache; at the streaming bandwidth
+measured in the same run (a sum over a 512 MB buffer) that bounds decode tokens/s. `vs_bf16` is the ratio
+to bf16 (with kernels) in the same round.
+
+    python benchmarks/decode.py [--models smollm2,qwen2-150m] [--batches 16,64] [--rounds 3] [--out FILE] [--quick]
+
+--quick: a 2-layer random Qwen2 (`tiny`), batch 4, 8 new tokens, one round (the test's run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import OWN, QWEN2_150M, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
+
+from rollout_server.engines import GenRequest, cpu_kernels, load_engine  # noqa: E402
+
+CONFIGS = ("bf16", "int8+bf16+head", "int8+head", "int8", "bf16-torch-ops", "int8+bf16+head-torch-ops")
+
+
+def stream_bandwidth() -> float:
+    """Bytes/s of a sum over a buffer far larger than the caches: what a weight stream can reach here."""
+    x = torch.ones(256 * 2**20, dtype=torch.bfloat16)
+    x.sum()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.nbytes / statistics.median(times)
+
+
+def smollm2_prompts(batch: int) -> tuple[str, list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    from qurl.data import PromptDataset
+    from qurl.real.prepare import MODEL_DIR, default_root, read_info
+
+    root = default_root()
+    if read_info(root) is None:
+        raise SystemExit(f"decode.py: no real track at {root}; run qurl-prepare-real")
+    model = str(root / MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = []
+    for track in ("gym", "gsm"):  # the learning recipe's short prompts, then GSM-Symbolic's longer ones
+        ds = PromptDataset(str(root / track / "heldout.jsonl"), tok, shuffle=False)
+        prompts += [ds[i].prompt_ids for i in range(min(len(ds), batch // 2))]
+    return model, [list(prompts[i % len(prompts)]) for i in range(batch)]
+
+
+TINY = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=256,
+    vocab_size=512,
+)
+
+
+def random_qwen2(tmp: str, shape: dict, batch: int, prompt_len: int) -> tuple[str, list[list[int]]]:
+    """A random-weight Qwen2 of `shape` saved under `tmp` (once), and `batch` random prompts."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    path = os.path.join(tmp, str(shape["hidden_size"]))
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(Qwen2Config(**shape)).save_pretrained(path)
+    gen = torch.Generator().manual_seed(1)
+    vocab = shape["vocab_size"]
+    return path, [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+
+
+def measure(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(seconds of the admitting step, decode tokens/s of the steps after it)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(GenRequest(p, max_new_tokens=new_tokens, temperature=1.0, seed=i), i)
+    t0 = time.perf_counter()
+    engine.step()
+    t1 = time.perf_counter()
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    return t1 - t0, len(prompts) * steps / (time.perf_counter() - t1)
+
+
+def kv_bytes(engine, prompts: list[list[int]], new_tokens: int) -> int:
+    """KV cache bytes the decode steps read per step, on average over the generation."""
+    cfg = engine.model.cfg
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.k_cache.element_size()
+    return int(sum(len(p) + new_tokens / 2 for p in prompts) * per_token)
+
+
+def run(model: str, prompts: list[list[int]], configs: list[str], rounds: int, new_tokens: int, bw: float) -> list:
+    engines = {}
+    for name in configs:
+        quant, dtype, head = OWN[name.removesuffix("-torch-ops")]
+        engines[name] = load_engine(
+            model,
+            quant=quant,
+            dtype=dtype,
+            max_batch=len(prompts),
+            max_seq_len=max(map(len, prompts)) + new_tokens + 1,
+            int8_lm_head=head,
+        )
+    samples = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            torch_ops = name.endswith("-torch-ops")
+            saved = cpu_kernels.kernels
+            if torch_ops:
+                cpu_kernels.kernels = lambda: None
+            try:
+                samples[name].append(measure(engine, prompts, new_tokens))
+            finally:
+                cpu_kernels.kernels = saved
+    rows = []
+    for name, engine in engines.items():
+        weights, kv = step_bytes(engine), kv_bytes(engine, prompts, new_tokens)
+        decode = statistics.median(s[1] for s in samples[name])
+        limit = len(prompts) * bw / (weights + kv)
+        rows.append(
+            {
+                "config": name,
+                "cpu_kernels": not name.endswith("-torch-ops"),
+                "batch": len(prompts),
+                "prompt_len_mean": round(statistics.mean(map(len, prompts)), 1),
+                "new_tokens": new_tokens,
+                "prefill_s": round(statistics.median(s[0] for s in samples[name]), 3),
+                "decode_tokens_per_s": round(decode, 1),
+                "weight_bytes_per_step": weights,
+                "kv_bytes_per_step": kv,
+                "byte_limit_tokens_per_s": round(limit, 1),
+                "share_of_byte_limit": round(decode / limit, 3),
+                "rounds": rounds,
+            }
+        )
+    base = next(r for r in rows if r["config"] == "bf16")
+    for r in rows:
+        r["vs_bf16"] = round(r["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3)
+        r["prefill_vs_bf16"] = round(base["prefill_s"] / r["prefill_s"], 3)
+        r["byte_limit_vs_bf16"] = round(r["byte_limit_tokens_per_s"] / base["byte_limit_tokens_per_s"], 3)
+    return rows
+
+
+def prompts_for(model_name: str, tmp: str, batch: int) -> tuple[str, list[list[int]]]:
+    if model_name == "smollm2":
+        return smollm2_prompts(batch)
+    if model_name == "qwen2-150m":
+        return random_qwen2(tmp, QWEN2_150M, batch, 200)
+    if model_name == "tiny":
+        return random_qwen2(tmp, TINY, batch, 24)
+    raise SystemExit(f"decode.py: unknown model {model_name!r}; choose smollm2, qwen2-150m or tiny")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2,qwen2-150m")
+    ap.add_argument("--batches", default="16,64")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.batches, args.rounds, args.new_tokens = "tiny", "4", 1, 8
+    torch.set_num_threads(args.threads)
+    if cpu_kernels.kernels() is None:
+        raise SystemExit("decode.py: the CPU kernels did not build (see the warning); nothing to compare")
+    bw = stream_bandwidth()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_name in args.models.split(","):
+            for batch in map(int, args.batches.split(",")):
+                model, prompts = prompts_for(model_name, tmp, batch)
+                for r in run(model, prompts, args.configs.split(","), args.rounds, args.new_tokens, bw):
+                    rows.append({"model": model_name, **r})
+                    shown = ("config", "batch", "decode_tokens_per_s", "vs_bf16", "prefill_vs_bf16")
+                    print(model_name, {k: rows[-1][k] for k in shown}, file=sys.stderr, flush=True)
+    kernels = cpu_kernels.kernels()
+    result = {
+        "benchmark": "decode",
+        "machine": machine_info(),
+        "stream_bytes_per_s": round(bw),
+        "vector_attention": bool(kernels.vector_attention),
+        "int8_gemm_vnni": bool(kernels.int8_gemm_vnni),
+        "rows": rows,
+    }
+    emit(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

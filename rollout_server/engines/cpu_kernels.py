@@ -1,0 +1,73 @@
+"""The torch engine's CPU kernels (csrc/decode_cpu.cpp): RMSNorm, per-token int8 quantization, SiLU x up, rotary
+with the cache write, decode attention, and a VNNI int8 GEMM for decode batches.
+
+Built once per CPU kind with the machine's own vector instructions (`-march=native`), at set-up
+(`python -m rollout_server.engines.cpu_kernels`) or on first use; where no compiler is found the
+engine keeps its torch operators, with one warning line. At decode shapes each kernel replaces a
+chain of small torch ops whose dispatch costs more than their arithmetic (RESULTS §13).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_cpu.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no fused multiply-adds: the torch ops round each op
+log = logging.getLogger(__name__)
+
+
+def build_dir() -> Path:
+    """Where this CPU kind's build lives: `QURL_KERNELS_DIR` or ~/.cache/qurl/kernels, one folder per CPU flag set."""
+    key = hashlib.sha256((" ".join(sorted(cpu_flags())) + torch.__version__).encode()).hexdigest()[:12]
+    base = os.environ.get("QURL_KERNELS_DIR") or Path.home() / ".cache" / "qurl" / "kernels"
+    return Path(base) / key
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The compiled module, built if needed; None (and one warning) where it cannot be built."""
+    if os.environ.get("QURL_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        path = build_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        return load("qurl_decode_cpu", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(path))
+    except Exception as e:  # no compiler, no ninja, a read-only cache: the torch operators still work
+        log.warning("qurl CPU kernels unavailable (%s); the torch engine uses torch operators", str(e).splitlines()[0])
+        return None
+
+
+def usable(x: torch.Tensor) -> ModuleType | None:
+    """The kernels if they apply to `x`: a CPU fp32 or bf16 tensor."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return kernels()
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo is absent)."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return set()
+    with open("/proc/cpuinfo") as f:
+        return set(next((line.split(":", 1)[1] for line in f if line.startswith("flags")), "").split())
+
+
+def int8_gemm_kernels() -> ModuleType | None:
+    """The kernels if their VNNI int8 GEMM should run: AVX-512 VNNI without AMX (with AMX, oneDNN's qlinear runs on
+    its tiles, and the VNNI kernel was never measured against that)."""
+    k = kernels()
+    return k if k is not None and k.int8_gemm_vnni and "amx_int8" not in cpu_flags() else None
+
+
+if __name__ == "__main__":
+    sys.exit(0 if kernels() is not None else f"could not build {SOURCE} in {build_dir()}")

@@ -1,0 +1,524 @@
+// CPU kernels for the torch engine's decode step: the operators around the GEMMs, one pass each.
+// Each replaces a chain of small torch ops whose dispatch costs more than their arithmetic at decode shapes
+// (rows = sequences in the batch). Semantics match rollout_server/engines/model.py and qurl/quant/absmax.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+
+template <typename T>
+inline T store(float v) { return static_cast<T>(v); }  // bf16: round to nearest even, as torch's casts
+
+// y = w * dtype(x32 * rsqrt(mean(x32^2) + eps)), the product rounded once to the model dtype (HF RMSNorm)
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t k, float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x32(k);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * k;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < k; ++i) {
+        x32[i] = load(xr, i);
+        ss += x32[i] * x32[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(k) + eps);
+      T* yr = y + r * k;
+      for (int64_t i = 0; i < k; ++i) {
+        const float normed = static_cast<float>(store<T>(x32[i] * inv));
+        yr[i] = store<T>(load(w, i) * normed);
+      }
+    }
+  });
+}
+
+// per-row symmetric int8 codes shifted by 128 into uint8 (oneDNN's zero point 128) and the fp32 scale amax / 127
+template <typename T>
+void quant_rows(const T* x, uint8_t* q, float* scale, int64_t rows, int64_t k) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * k;
+      float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+      for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(load(xr, i)));
+      float s = amax / 127.f;
+      if (!(s > 0.f)) s = 1.f;
+      scale[r] = s;
+      uint8_t* qr = q + r * k;
+#pragma omp simd
+      for (int64_t i = 0; i < k; ++i) qr[i] = static_cast<uint8_t>(std::nearbyint(load(xr, i) / s) + 128.f);
+    }
+  });
+}
+
+// rotary embedding of one token per sequence and its k, v rows written to the cache: qkv [B, (H + 2 KV) D];
+// cos, sin_signed [B, D] (sin_signed = [-sin, sin]); cache [slots, KV, T, D], sequence b in slot b at positions[b].
+// x cos + roll(x, D / 2) sin_signed, each product and the sum rounded to the model dtype, as model.py's torch ops.
+template <typename T>
+void rope_cache_rows(const T* qkv, const T* cos, const T* sin, T* q, T* kc, T* vc, const int64_t* pos, int64_t b,
+                     int64_t heads, int64_t kvh, int64_t d, int64_t kc_slot, int64_t kc_head, int64_t vc_slot,
+                     int64_t vc_head) {
+  const int64_t half = d / 2, width = (heads + 2 * kvh) * d;
+  at::parallel_for(0, b * (heads + 2 * kvh), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bi = task / (heads + 2 * kvh), h = task % (heads + 2 * kvh);
+      const T* x = qkv + bi * width + h * d;
+      T* dst;
+      if (h < heads) {
+        dst = q + (bi * heads + h) * d;
+      } else if (h < heads + kvh) {
+        dst = kc + bi * kc_slot + (h - heads) * kc_head + pos[bi] * d;
+      } else {
+        T* vrow = vc + bi * vc_slot + (h - heads - kvh) * vc_head + pos[bi] * d;
+        std::memcpy(vrow, x, d * sizeof(T));
+        continue;
+      }
+      const T* c = cos + bi * d;
+      const T* sn = sin + bi * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float rolled = load(x, i < half ? i + half : i - half);
+        const float a = static_cast<float>(store<T>(load(x, i) * load(c, i)));
+        const float r = static_cast<float>(store<T>(rolled * load(sn, i)));
+        dst[i] = store<T>(a + r);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// 16 fp32 values from 16 model-dtype values
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // bf16 is fp32's high half
+}
+
+// e^x for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (~1 ulp), times 2^n
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+
+// the model dtype's rounding of 16 fp32 values, back in fp32 (bf16: round to nearest even, as c10's cast)
+inline __m512 round16(__m512 x, float) { return x; }
+inline __m512 round16(__m512 x, c10::BFloat16) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16(x, c10::BFloat16())), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+}
+
+// lane j = the sum of v[j]'s 16 lanes: a transpose-and-add tree, about 3 instructions per vector
+inline __m512 sum16(__m512* v) {
+  __m512 w[8], x[4];
+  for (int j = 0; j < 8; ++j) {
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  }
+  for (int j = 0; j < 4; ++j) {
+    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  }
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane 4b + j holds v[4j + b]
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, u);
+}
+
+constexpr bool kVectorAttention = true;
+
+// one new token per sequence: q [B, KV, G, D]; k, v [B, KV, >=L, D] (last dim contiguous, D a multiple of 16);
+// lengths [B] keys each sequence sees. Scores, softmax and the weighted sum of v in fp32; out in q's dtype.
+template <typename T>
+void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const int64_t* lengths, float scale, at::Tensor& out) {
+  const int64_t b = q.size(0), kvh = q.size(1), g = q.size(2), d = q.size(3), c16 = d / 16;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  at::parallel_for(0, b * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * d), acc(g * d), scores;
+    std::vector<__m512> row(c16);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bi = task / kvh, h = task % kvh, len = lengths[bi], padded = (len + 15) / 16 * 16;
+      const T* qt = qp + task * g * d;
+      for (int64_t i = 0; i < g * d; ++i) qf[i] = load(qt, i) * scale;
+      scores.resize(g * padded);
+      const T* kt = kp + bi * ks0 + h * ks1;
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const float* qg = qf.data() + gi * d;
+        for (int64_t c = 0; c < c16; ++c) row[c] = _mm512_loadu_ps(qg + 16 * c);
+        for (int64_t l0 = 0; l0 < len; l0 += 16) {  // 16 keys' dot products as 16 vectors, summed across at once
+          __m512 part[16];
+          for (int64_t j = 0; j < 16; ++j) {
+            part[j] = _mm512_setzero_ps();
+            if (l0 + j < len) {
+              const T* kr = kt + (l0 + j) * ks2;
+              for (int64_t c = 0; c < c16; ++c) part[j] = _mm512_fmadd_ps(row[c], load16(kr + 16 * c), part[j]);
+            }
+          }
+          _mm512_storeu_ps(scores.data() + gi * padded + l0, sum16(part));
+        }
+      }
+      for (int64_t gi = 0; gi < g; ++gi) {
+        float* sg = scores.data() + gi * padded;
+        std::fill(sg + len, sg + padded, sg[0]);  // the tail's lanes: a real score, so they never set the max
+        __m512 m = _mm512_set1_ps(sg[0]);
+        for (int64_t l = 0; l < padded; l += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + l));
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t l = 0; l < padded; l += 16) {
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + l), mx));
+          _mm512_storeu_ps(sg + l, e);
+          if (l + 16 <= len) {
+            sum = _mm512_add_ps(sum, e);
+          } else {
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps((__mmask16)((1u << (len - l)) - 1), e));
+          }
+        }
+        const float inv = 1.f / _mm512_reduce_add_ps(sum);
+        for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
+      }
+      const T* vt = vp + bi * vs0 + h * vs1;
+      for (int64_t gi = 0; gi < g; ++gi) {  // each query row's sum in registers: at most 8 x 16 lanes (D <= 128)
+        __m512 a[8];
+        for (int64_t c = 0; c < c16; ++c) a[c] = _mm512_setzero_ps();
+        const float* pg = scores.data() + gi * padded;
+        for (int64_t l = 0; l < len; ++l) {
+          const __m512 pv = _mm512_set1_ps(pg[l]);
+          const T* vr = vt + l * vs2;
+          for (int64_t c = 0; c < c16; ++c) a[c] = _mm512_fmadd_ps(pv, load16(vr + 16 * c), a[c]);
+        }
+        for (int64_t c = 0; c < c16; ++c) _mm512_storeu_ps(acc.data() + gi * d + 16 * c, a[c]);
+      }
+      T* ot = op + task * g * d;
+      for (int64_t i = 0; i < g * d; ++i) ot[i] = store<T>(acc[i]);
+    }
+  });
+}
+
+#if defined(__AVX512VNNI__)
+constexpr bool kInt8Gemm = true;
+
+// int8 codes [N, K] -> [ceil(N/16)][ceil(K/4)][16][4] (zero padded), the panel one VNNI step reads, and
+// 128 * each row's sum (the u8 input's zero point times the codes)
+std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& codes) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(), "int8_pack: int8 [N, K]");
+  const int64_t n = codes.size(0), k = codes.size(1), nb = (n + 15) / 16, k4 = (k + 3) / 4;
+  auto packed = at::zeros({nb, k4, 16, 4}, codes.options());
+  auto comp = at::empty({nb * 16}, codes.options().dtype(at::kInt));
+  const int8_t* c = codes.data_ptr<int8_t>();
+  int8_t* pk = packed.data_ptr<int8_t>();
+  int32_t* cp = comp.data_ptr<int32_t>();
+  for (int64_t r = 0; r < nb * 16; ++r) {
+    int32_t sum = 0;
+    for (int64_t i = 0; r < n && i < k; ++i) {
+      const int8_t v = c[r * k + i];
+      sum += v;
+      pk[(((r / 16) * k4 + i / 4) * 16 + r % 16) * 4 + i % 4] = v;
+    }
+    cp[r] = 128 * sum;
+  }
+  return {packed, comp};
+}
+
+
+// acc[r] = the int32 sums of input rows xb[r] (r < R, R a constant so they stay in registers) with one panel
+template <int R>
+inline void int8_tile_rows(const uint8_t* xb, int64_t k, const int8_t* panel, __m512i* out) {
+  const int64_t kfull = k / 4;
+  __m512i acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < kfull; ++i) {
+    const __m512i wv = _mm512_loadu_si512(panel + i * 64);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, xb + r * k + 4 * i, 4);
+      acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(quad), wv);
+    }
+  }
+  if (4 * kfull < k) {  // the last K % 4 inputs, zero padded like the panel
+    const __m512i wv = _mm512_loadu_si512(panel + kfull * 64);
+    for (int r = 0; r < R; ++r) {
+      uint8_t q4[4] = {0, 0, 0, 0};
+      std::memcpy(q4, xb + r * k + 4 * kfull, k - 4 * kfull);
+      int32_t quad;
+      std::memcpy(&quad, q4, 4);
+      acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(quad), wv);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// int8_tile_rows for a row count known only at run time (1..R)
+template <int R>
+inline void int8_tile(int64_t rows, const uint8_t* xb, int64_t k, const int8_t* panel, __m512i* out) {
+  if (rows == R) {
+    int8_tile_rows<R>(xb, k, panel, out);
+  } else if constexpr (R > 1) {
+    int8_tile<R - 1>(rows, xb, k, panel, out);
+  }
+}
+
+// y[m, n] = ((sum_k xu[m, k] w[n, k] - 128 sum_k w[n, k]) * w_scale[n]) * x_scale[m] (+ bias[n]): exact int32 sums
+// (VNNI's u8 x s8 adds into int32, no saturation), the dequantization in fp32, y in T
+template <typename T>
+void int8_gemm_kernel(const uint8_t* xu, const float* xs, const int8_t* pk, const int32_t* comp, const float* ws,
+                      const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
+  const int64_t nb = (n + 15) / 16, k4 = (k + 3) / 4;
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int8_t* panel = pk + b * k4 * 64;
+      const __m512i cv = _mm512_loadu_si512(comp + b * 16);
+      const int64_t cols = std::min<int64_t>(16, n - b * 16);
+      const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+      const __m512 wsv = _mm512_maskz_loadu_ps(keep, ws + b * 16);
+      __m512 bv = _mm512_setzero_ps();
+      if (bias != nullptr) {
+        alignas(64) float tmp[16] = {};
+        for (int64_t j = 0; j < cols; ++j) tmp[j] = static_cast<float>(bias[b * 16 + j]);
+        bv = _mm512_load_ps(tmp);
+      }
+      for (int64_t m0 = 0; m0 < m; m0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, m - m0);
+        __m512i acc[16];
+        int8_tile<16>(rows, xu + m0 * k, k, panel, acc);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], cv));
+          __m512 out = _mm512_mul_ps(_mm512_mul_ps(f, wsv), _mm512_set1_ps(xs[m0 + r]));
+          T* yr = y + (m0 + r) * n + b * 16;
+          if (bias != nullptr) out = _mm512_add_ps(round16(out, T()), bv);
+          if (cols == 16) {
+            store16(yr, out);
+          } else {
+            alignas(64) T tmp[16];
+            store16(tmp, out);
+            std::memcpy(yr, tmp, cols * sizeof(T));
+          }
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool kInt8Gemm = false;  // without AVX-512 VNNI the engine keeps oneDNN's qlinear
+#endif
+#else
+constexpr bool kVectorAttention = false;  // without AVX-512 the engine keeps torch's scaled_dot_product_attention
+
+template <typename T>
+void decode_attention_kernel(const at::Tensor&, const at::Tensor&, const at::Tensor&, const int64_t*, float,
+                             at::Tensor&) {
+  TORCH_CHECK(false, "decode_attention needs AVX-512");
+}
+#endif
+
+// out = up * silu(gate) for gate_up = [gate | up] rows, each product rounded to the model dtype as torch does
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= inter; i += 16) {
+        const __m512 x = load16(g + i);
+        const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(88.f)));
+        const __m512 act = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T());
+        store16(o + i, _mm512_mul_ps(act, load16(u + i)));
+      }
+#endif
+      for (; i < inter; ++i) {
+        const float x = load(g, i);
+        o[i] = store<T>(static_cast<float>(store<T>(x / (1.f + std::exp(-x)))) * load(u, i));
+      }
+    }
+  });
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), name, ": a contiguous 2-D CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": fp32 or bf16");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "rms_norm x");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.numel() == x.size(1), "rms_norm w");
+  auto y = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), eps);
+  } else {
+    rms_norm_rows(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(),
+                  x.size(0), x.size(1), eps);
+  }
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_uint8_shifted(const at::Tensor& x) {
+  check_rows(x, "quantize_uint8_shifted x");
+  auto q = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  auto s = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat) {
+    quant_rows(x.data_ptr<float>(), q.data_ptr<uint8_t>(), s.data_ptr<float>(), x.size(0), x.size(1));
+  } else {
+    quant_rows(x.data_ptr<c10::BFloat16>(), q.data_ptr<uint8_t>(), s.data_ptr<float>(), x.size(0), x.size(1));
+  }
+  return {q, s};
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_rows(gu, "silu_mul gate_up");
+  const int64_t inter = gu.size(1) / 2;
+  auto out = at::empty({gu.size(0), inter}, gu.options());
+  if (gu.scalar_type() == at::kFloat) {
+    silu_mul_rows(gu.data_ptr<float>(), out.data_ptr<float>(), gu.size(0), inter);
+  } else {
+    silu_mul_rows(gu.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), gu.size(0), inter);
+  }
+  return out;
+}
+
+at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& positions, int64_t heads, int64_t kv_heads) {
+  check_rows(qkv, "rope_cache qkv");
+  const int64_t b = qkv.size(0), d = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d, "rope_cache: qkv width is not (heads + 2 kv_heads) head_dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == b * d && sin.numel() == b * d,
+              "rope_cache: cos, sin [B, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && k_cache.stride(2) == d &&
+                  v_cache.stride(3) == 1 && v_cache.stride(2) == d && k_cache.size(0) >= b && k_cache.size(1) == kv_heads,
+              "rope_cache: caches [slots, kv_heads, T, D] with rows contiguous");
+  for (const at::Tensor* t : {&cos, &sin, static_cast<const at::Tensor*>(&k_cache), static_cast<const at::Tensor*>(&v_cache)}) {
+    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "rope_cache: one dtype");
+  }
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == b,
+              "rope_cache positions: int64 [B]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < k_cache.size(2), "rope_cache: position out of range");
+  auto q = at::empty({b, heads, d}, qkv.options());
+  if (qkv.scalar_type() == at::kFloat) {
+    rope_cache_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(),
+                    k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pos, b, heads, kv_heads, d,
+                    k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1));
+  } else {
+    using B16 = c10::BFloat16;
+    rope_cache_rows(qkv.data_ptr<B16>(), cos.data_ptr<B16>(), sin.data_ptr<B16>(), q.data_ptr<B16>(),
+                    k_cache.data_ptr<B16>(), v_cache.data_ptr<B16>(), pos, b, heads, kv_heads, d,
+                    k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1));
+  }
+  return q;
+}
+
+#if defined(__AVX512VNNI__)
+at::Tensor int8_gemm(const at::Tensor& xu, const at::Tensor& xs, const at::Tensor& packed, const at::Tensor& comp,
+                     const at::Tensor& ws, const c10::optional<at::Tensor>& bias, int64_t n, at::ScalarType out_dtype) {
+  TORCH_CHECK(xu.scalar_type() == at::kByte && xu.dim() == 2 && xu.is_contiguous(), "int8_gemm xu: uint8 [M, K]");
+  const int64_t m = xu.size(0), k = xu.size(1);
+  TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.is_contiguous() && xs.numel() == m, "int8_gemm xs: fp32 [M, 1]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (n + 15) / 16 && packed.size(1) == (k + 3) / 4,
+              "int8_gemm: packed codes do not match [N, K]");
+  TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() == n, "int8_gemm ws: fp32 [N]");
+  auto y = at::empty({m, n}, xu.options().dtype(out_dtype));
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == out_dtype && bias->is_contiguous() && bias->numel() == n, "int8_gemm bias");
+  }
+  if (out_dtype == at::kFloat) {
+    int8_gemm_kernel<float>(xu.data_ptr<uint8_t>(), xs.data_ptr<float>(), packed.data_ptr<int8_t>(),
+                            comp.data_ptr<int32_t>(), ws.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
+                            y.data_ptr<float>(), m, n, k);
+  } else {
+    TORCH_CHECK(out_dtype == at::kBFloat16, "int8_gemm: fp32 or bf16 out");
+    using B16 = c10::BFloat16;
+    int8_gemm_kernel<B16>(xu.data_ptr<uint8_t>(), xs.data_ptr<float>(), packed.data_ptr<int8_t>(),
+                          comp.data_ptr<int32_t>(), ws.data_ptr<float>(), has_bias ? bias->data_ptr<B16>() : nullptr,
+                          y.data_ptr<B16>(), m, n, k);
+  }
+  return y;
+}
+#endif
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
+                            double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4 && q.is_contiguous(), "decode_attention q: contiguous [B, KV, G, D]");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.stride(3) == 1 && v.stride(3) == 1 && q.size(3) % 16 == 0 &&
+                  q.size(3) <= 128,
+              "decode_attention k, v: [B, KV, L, D], D a multiple of 16 up to 128");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "decode_attention: one dtype");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() && lengths.numel() == q.size(0),
+              "decode_attention lengths: int64 [B]");
+  auto lc = lengths.cpu();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < q.size(0); ++i) {
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= k.size(2) && lp[i] <= v.size(2), "decode_attention: length out of range");
+  }
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    decode_attention_kernel<float>(q, k, v, lp, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_attention_kernel<c10::BFloat16>(q, k, v, lp, scale, out);
+  } else {
+    TORCH_CHECK(false, "decode_attention: fp32 or bf16");
+  }
+  return out;
+}
+
+#if defined(__AVX512VNNI__)
+// a dispatcher op, so that profilers (benchmarks/rollout_throughput.py's GEMM share) see the GEMM by name
+TORCH_LIBRARY(qurl, m) {
+  m.def("int8_gemm(Tensor xu, Tensor xs, Tensor packed, Tensor comp, Tensor ws, Tensor? bias, int n, "
+        "ScalarType out_dtype) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(qurl, CPU, m) { m.impl("int8_gemm", &int8_gemm); }
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "HF RMSNorm over rows");
+  m.def("quantize_uint8_shifted", &quantize_uint8_shifted, "per-row int8 codes + 128 as uint8, and fp32 scales");
+  m.def("silu_mul", &silu_mul, "up * silu(gate) over [gate | up] rows");
+  m.def("rope_cache", &rope_cache, "rotary q and k of one token per sequence; k, v written to the cache");
+  m.attr("vector_attention") = kVectorAttention;
+  m.attr("int8_gemm_vnni") = kInt8Gemm;
+#if defined(__AVX512VNNI__)
+  m.def("int8_pack", &int8_pack, "int8 codes into the VNNI kernel's panels, and the zero point's compensation");
+#endif
+  m.def("decode_attention", &decode_attention, "one query token per sequence over its cache");
+}

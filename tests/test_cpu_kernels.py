@@ -1,0 +1,179 @@
+"""The torch engine's CPU kernels against the torch operators they replace (rollout_server/engines/cpu_kernels.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qurl.quant import quantize_int8, quantize_uint8_shifted
+from rollout_server.engines import cpu_kernels
+from rollout_server.engines.linear import Int8Head, Int8Linear, int8_matmul
+from rollout_server.engines.model import rms_norm
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def k():
+    module = cpu_kernels.kernels()
+    assert module is not None, "the CPU kernels did not build: see the warning above"
+    return module
+
+
+def torch_rms_norm(x, w, eps):
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_equals_the_torch_formula(k, dtype):
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 576, dtype=dtype) * 3, torch.randn(576, dtype=dtype)
+    got, want = k.rms_norm(x, w, 1e-5), torch_rms_norm(x, w, 1e-5)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:  # the fp32 sum of squares in another order
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(rms_norm(x, w, 1e-5), got)  # the engine's rms_norm takes the kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_rows_equals_quantize_uint8_shifted(k, dtype):
+    torch.manual_seed(1)
+    x = torch.randn(9, 1536, dtype=dtype) * torch.logspace(-3, 2, 9)[:, None].to(dtype)
+    x[3] = 0  # an all-zero row: scale 1, codes 128
+    (got, got_s), (want, want_s) = k.quantize_uint8_shifted(x), quantize_uint8_shifted(x)
+    assert got.dtype == torch.uint8 and torch.equal(got, want) and torch.equal(got_s, want_s)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_equals_torch(k, dtype):
+    torch.manual_seed(2)
+    gate_up = torch.randn(5, 2 * 1536, dtype=dtype) * 4
+    gate, up = gate_up.chunk(2, -1)
+    got, want = k.silu_mul(gate_up), F.silu(gate) * up
+    if dtype == torch.bfloat16:  # exp's last fp32 bit may move a product across a bf16 rounding boundary
+        assert (got != want).float().mean() < 1e-3
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_cache_rotates_q_and_k_and_writes_the_cache(k, dtype):
+    torch.manual_seed(3)
+    b, heads, kvh, d, slots, t = 4, 6, 2, 64, 5, 32
+    qkv = torch.randn(b, (heads + 2 * kvh) * d, dtype=dtype)
+    angles = torch.rand(b, d // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    positions = torch.tensor([0, 7, 31, 3])
+    kc, vc = torch.zeros(slots, kvh, t, d, dtype=dtype), torch.zeros(slots, kvh, t, d, dtype=dtype)
+    q = k.rope_cache(qkv, cos, sin, kc, vc, positions, heads, kvh)
+    x = qkv.view(b, heads + 2 * kvh, d)
+    rotated = x * cos[:, None] + x.roll(d // 2, -1) * sin[:, None]  # model.py's torch ops
+    assert torch.equal(q, rotated[:, :heads])
+    want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    for i, p in enumerate(positions.tolist()):
+        want_k[i, :, p] = rotated[i, heads : heads + kvh]
+        want_v[i, :, p] = x[i, heads + kvh :]
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        k.rope_cache(qkv, cos, sin, kc, vc, torch.tensor([0, 1, 2, t]), heads, kvh)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_matches_sdpa(k, dtype):
+    if not k.vector_attention:
+        pytest.skip("decode attention is built only with AVX-512; the engine keeps SDPA here")
+    torch.manual_seed(4)
+    b, kvh, g, d, t = 5, 3, 3, 64, 300
+    q = torch.randn(b, kvh, g, d, dtype=dtype) * 2
+    kc, vc = torch.randn(b + 2, kvh, t, d, dtype=dtype), torch.randn(b + 2, kvh, t, d, dtype=dtype)
+    lengths = torch.tensor([1, 17, 230, 16, 229])
+    length = int(lengths.max())
+    kv = kc[:b, :, :length], vc[:b, :, :length]
+    mask = torch.where(torch.arange(length)[None] < lengths[:, None], 0.0, -torch.inf)[:, None, None]
+    exact = F.scaled_dot_product_attention(q.double(), *(x.double() for x in kv), attn_mask=mask.double(), scale=0.125)
+    sdpa = F.scaled_dot_product_attention(q, *kv, attn_mask=mask.to(dtype), scale=0.125)
+    got = k.decode_attention(q, *kv, lengths, 0.125)
+    assert got.dtype == dtype
+    # no further from the fp64 result than torch's own kernel (plus one rounding of the output)
+    bound = (sdpa.double() - exact).abs().max().item() + (2**-8 if dtype == torch.bfloat16 else 1e-6)
+    assert (got.double() - exact).abs().max().item() <= bound
+    with pytest.raises(RuntimeError, match="length out of range"):
+        k.decode_attention(q, *kv, torch.tensor([1, 17, 230, 16, length + 1]), 0.125)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,kk", [(1, 16, 64), (16, 960, 576), (17, 37, 70), (32, 100, 3)])
+def test_vnni_int8_gemm_equals_the_onednn_path(k, dtype, m, n, kk):
+    """Bit for bit: exact int32 sums and the same fp32 dequantization, bias added in the model dtype."""
+    if cpu_kernels.int8_gemm_kernels() is None:
+        pytest.skip("the VNNI GEMM runs only on AVX-512 VNNI CPUs without AMX; oneDNN's qlinear runs here")
+    torch.manual_seed(5)
+    codes, scale = quantize_int8(torch.randn(n, kk))
+    tensors = {"p.weight": codes, "p.weight_scale": scale, "p.bias": torch.randn(n)}
+    lin = Int8Linear(["p"], tensors, dtype, torch.device("cpu"))
+    x = torch.randn(m, kk).to(dtype)
+    assert lin._vnni is not None  # the VNNI path
+    got = lin(x)
+    lin._vnni = None  # the oneDNN path
+    want = lin(x)
+    assert torch.equal(got, want)
+    exact = int8_matmul(x, codes, scale.t()).to(dtype) + lin.bias
+    torch.testing.assert_close(got, exact, rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+def test_vnni_panels_follow_in_place_updates(k):
+    """A push writes the codes in place; repack (the engine calls it) rebuilds the panels, and the int8 head's too."""
+    if cpu_kernels.int8_gemm_kernels() is None:
+        pytest.skip("no VNNI GEMM on this CPU")
+    torch.manual_seed(6)
+    head = Int8Head(torch.randn(96, 64))
+    x = torch.randn(4, 64)
+    before = head(x)
+    head.source.mul_(-1)
+    head.refresh()
+    torch.testing.assert_close(head(x), -before, rtol=0, atol=0)
+
+
+def test_engine_greedy_tokens_equal_without_the_kernels(tmp_path, monkeypatch):
+    """The engine's greedy decode with the kernels equals its torch-operator decode (bf16 SmolLM2-like shapes)."""
+    from test_engine import build_model
+
+    from rollout_server.engines import GenRequest, load_engine
+
+    build_model("llama", tmp_path)
+    reqs = [GenRequest(p, max_new_tokens=12, temperature=0) for p in ([1, 2, 3], [5, 6, 7, 8, 9], [14])]
+    runs = {}
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+        engine = load_engine(str(tmp_path), quant="int8", dtype="bfloat16", max_batch=3, max_seq_len=64)
+        runs[on] = engine.generate(reqs)
+    for a, b in zip(runs[True], runs[False]):
+        assert a.samples[0].token_ids == b.samples[0].token_ids
+        torch.testing.assert_close(
+            torch.tensor(a.samples[0].logprobs), torch.tensor(b.samples[0].logprobs), atol=0.05, rtol=0
+        )
+
+
+def test_decode_benchmark_quick(tmp_path):
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "decode.py")
+    spec = importlib.util.spec_from_file_location("decode_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "decode.json"
+    result = bench.main(["--quick", "--threads", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result and result["benchmark"] == "decode"
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == set(bench.CONFIGS)
+    assert rows["bf16"]["vs_bf16"] == 1.0 and all(r["decode_tokens_per_s"] > 0 for r in rows.values())
+    assert not rows["bf16-torch-ops"]["cpu_kernels"] and rows["int8"]["cpu_kernels"]
+    # int8 codes and an int8 lm_head stream about half of bf16's weight bytes
+    assert rows["int8+bf16+head"]["weight_bytes_per_step"] < 0.6 * rows["bf16"]["weight_bytes_per_step"]
+    assert all(0 < r["share_of_byte_limit"] for r in rows.values())
