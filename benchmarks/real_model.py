@@ -19,10 +19,14 @@ Parts (all by default, or a subset with --parts):
   achieved_flops = 6 N padded_tokens / train_s (one update per step: no separate proximal pass) against
   bf16_matmul_flops, a bf16 [4096, hidden] x [hidden, intermediate] matmul timed in the same run:
   share_of_matmul_roofline.
+- profile: where a bf16 learner step's time goes, the micro part's batch shape on one gloo rank in this process
+  (learner/policy_step.py's PolicyStep, the gym recipe's settings, bucketed micro-batches): torch.profiler's
+  self CPU time grouped by kind (matmuls, attention, the log-softmax head, the optimizer, the rest), after one
+  warm-up step.
 - sync: int8 codes changed per push and delta / full push bytes per engine dtype after AdamW steps at the
   recipe's learning rate (or --sync-lr), s = 1 and 1.5 (benchmarks/sync.py's run on GSM text).
 
-    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,sync] [--threads 2] [--sync-lr LR]
+    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,profile,sync] [--threads 2] [--sync-lr LR]
         [--out FILE]
 """
 
@@ -48,7 +52,7 @@ from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
 from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
-PARTS = ("mismatch", "decode", "learner", "micro", "sync")
+PARTS = ("mismatch", "decode", "learner", "micro", "profile", "sync")
 RECIPE_LR = 1e-5  # configs/smollm2-gsm-cpu.yaml train.lr
 # (quant, model dtype, s, int8 lm_head): bf16 rollout's own mismatch, then INT8's with and without the int8 lm_head
 MISMATCH_FORMATS = (
@@ -237,6 +241,84 @@ def micro_rows(model: str, steps: int, threads: int, tmp: str) -> list[dict]:
     return rows
 
 
+# torch.profiler op name -> kind, first match wins; everything else is "other" (norms, activations, copies, ...)
+PROFILE_KINDS = (
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn")),
+    ("attention", ("scaled_dot_product", "flash_attention")),
+    # the chunked head (learner/logprobs.py): logits - logsumexp and its exp over 49,152-wide rows, forward
+    # (entropy) and backward; the step's other subs and exps act on small tensors
+    ("log-softmax head", ("log_softmax", "logsumexp", "chunkedlogprob", "aten::sub", "aten::exp", "aten::gather")),
+    ("optimizer", ("adam", "foreach", "clip_grad", "aten::_fused")),
+    ("collectives", ("c10d", "gloo", "all_reduce", "allreduce", "all_gather", "reduce_scatter")),
+)
+
+
+def profile_rows(model: str, threads: int) -> list[dict]:
+    """One profiled bf16 learner step of the micro part's shape, self CPU time by kind and the top operators."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from learner.batch import Batch
+    from learner.model import build_policy
+    from learner.policy_step import DistEnv, PolicyStep
+    from qurl.config import load_config
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        cfg = load_config(
+            os.path.join(root, "configs", "smollm2-gym-cpu.yaml"),
+            [f"model.path={model}", "data.eval_files=[]", "train.precision=bf16", "train.mini_batches=1"],
+            check_paths=False,
+        )
+        torch.manual_seed(0)
+        policy = PolicyStep(
+            build_policy(cfg, torch.device("cpu")),
+            None,
+            cfg.train,
+            cfg.algo,
+            cfg.rollout.sampling,
+            DistEnv(0, 1, 0, torch.device("cpu")),
+        )
+        g = torch.Generator().manual_seed(0)
+        n = 16  # 2 prompts x 8 samples, 190-260 prompt and 16-256 response tokens (the micro part's shapes)
+        prompt = torch.randint(190, 261, (n,), generator=g)
+        total = prompt + torch.randint(16, 257, (n,), generator=g)
+        ids = torch.randint(3, AutoConfig.from_pretrained(model).vocab_size, (n, int(total.max())), generator=g)
+        behav = -torch.rand(ids.shape, generator=g) * 2
+        batch = Batch(ids, prompt, total, behav, torch.rand(n, generator=g).round(), torch.arange(n) // 8)
+        policy.step(batch, step=0)  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            result = policy.step(batch, step=1)
+            seconds = time.perf_counter() - t
+    finally:
+        dist.destroy_process_group()
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total_us = sum(e.self_cpu_time_total for e in events)
+    kinds = {name: 0.0 for name, _ in PROFILE_KINDS} | {"other": 0.0}
+    for e in events:
+        kind = next((k for k, keys in PROFILE_KINDS if any(key in e.key.lower() for key in keys)), "other")
+        kinds[kind] += e.self_cpu_time_total
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+    row = {
+        "part": "profile",
+        "precision": "bf16",
+        "threads": threads,
+        "step_s": round(seconds, 2),
+        "padded_tokens": result.metrics.get("actor/padded_tokens"),
+        "share_by_kind": {k: round(v / total_us, 3) for k, v in kinds.items()},
+        "top_ops": [{"op": e.key, "share": round(e.self_cpu_time_total / total_us, 3), "calls": e.count} for e in top],
+    }
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return [row]
+
+
 def matmul_flops(hidden: int, inter: int, tokens: int = 4096, repeats: int = 7) -> float:
     """bf16 FLOP/s of one [tokens, hidden] x [hidden, inter] matmul, the learner's MLP shape (median)."""
     a, b = torch.randn(tokens, hidden, dtype=torch.bfloat16), torch.randn(hidden, inter, dtype=torch.bfloat16)
@@ -303,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += learner_rows(model, args.steps, args.threads, tmp)
         if "micro" in parts:
             rows += micro_rows(model, args.steps, args.threads, tmp)
+        if "profile" in parts:
+            rows += profile_rows(model, args.threads)
         if "sync" in parts:
             rows += sync_rows(model, gsm, args.pushes, args.threads, args.sync_lr)
     emit(
