@@ -5,8 +5,9 @@ Models: `smollm2` (the real track's SmolLM2-135M-Instruct, real held-out prompts
 configuration runs once per round, round-robin, so that load from other processes spreads over all of them;
 rows hold medians over rounds. One measurement: all samples admitted in the first engine step (prefill_s, the
 prefill and one decode step), then `--new-tokens` - 1 decode steps (decode_tokens_per_s). Configurations are
-common.OWN's formats, each with the CPU kernels (rollout_server/engines/cpu_kernels.py) and, with `-torch-ops`,
-without them.
+common.OWN's formats with the CPU kernels (rollout_server/engines/cpu_kernels.py); `-torch-ops` rows run the operators
+around the GEMMs as torch ops (the engine is built with the kernels, so an int8 row keeps the VNNI GEMM its linears
+chose at load: those rows isolate the non-GEMM kernels).
 
 Byte limit: a decode step reads every weight once plus each sequence's KV cache; at the streaming bandwidth
 measured in the same run (a sum over a 512 MB buffer) that bounds decode tokens/s. `vs_bf16` is the ratio

@@ -54,12 +54,13 @@ def usable(x: torch.Tensor) -> ModuleType | None:
     return kernels()
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (empty where /proc/cpuinfo is absent)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo is absent); read once, every int8 linear asks."""
     if not os.path.exists("/proc/cpuinfo"):
-        return set()
+        return frozenset()
     with open("/proc/cpuinfo") as f:
-        return set(next((line.split(":", 1)[1] for line in f if line.startswith("flags")), "").split())
+        return frozenset(next((line.split(":", 1)[1] for line in f if line.startswith("flags")), "").split())
 
 
 def int8_gemm_kernels() -> ModuleType | None:
