@@ -339,6 +339,7 @@ constexpr bool kInt8Gemm = false;  // without AVX-512 VNNI the engine keeps oneD
 #endif
 #else
 constexpr bool kVectorAttention = false;  // without AVX-512 the engine keeps torch's scaled_dot_product_attention
+constexpr bool kInt8Gemm = false;         // and oneDNN's qlinear
 
 template <typename T>
 void decode_attention_kernel(const at::Tensor&, const at::Tensor&, const at::Tensor&, const int64_t*, float,
