@@ -5,9 +5,9 @@ Models: `smollm2` (the real track's SmolLM2-135M-Instruct, real held-out prompts
 configuration runs once per round, round-robin, so that load from other processes spreads over all of them;
 rows hold medians over rounds. One measurement: all samples admitted in the first engine step (prefill_s, the
 prefill and one decode step), then `--new-tokens` - 1 decode steps (decode_tokens_per_s). Configurations are
-common.OWN's formats with the CPU kernels (rollout_server/engines/cpu_kernels.py); `-torch-ops` rows run the operators
-around the GEMMs as torch ops (the engine is built with the kernels, so an int8 row keeps the VNNI GEMM its linears
-chose at load: those rows isolate the non-GEMM kernels).
+common.OWN's formats with the CPU kernels (rollout_server/engines/cpu_kernels.py); `-torch-ops` rows build and run
+the engine without them: torch operators and oneDNN's GEMMs, the engine as it is with QURL_CPU_KERNELS=0.
+(Before 2026-12-04 they were built with the kernels, so an int8 row kept the kernels' GEMM: results/decode-cpu.json.)
 
 Byte limit: a decode step reads every weight once plus each sequence's KV cache; at the streaming bandwidth
 measured in the same run (a sum over a 512 MB buffer) that bounds decode tokens/s. `vs_bf16` is the ratio
@@ -21,6 +21,7 @@ to bf16 (with kernels) in the same round.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -112,29 +113,36 @@ def kv_bytes(engine, prompts: list[list[int]], new_tokens: int) -> int:
     return int(sum(len(p) + new_tokens / 2 for p in prompts) * per_token)
 
 
+@contextlib.contextmanager
+def kernels_off(off: bool):
+    """The CPU kernels hidden from the engine (built and run) inside the block: torch operators and oneDNN's GEMM."""
+    saved = cpu_kernels.kernels
+    if off:
+        cpu_kernels.kernels = lambda: None
+    try:
+        yield
+    finally:
+        cpu_kernels.kernels = saved
+
+
 def run(model: str, prompts: list[list[int]], configs: list[str], rounds: int, new_tokens: int, bw: float) -> list:
     engines = {}
     for name in configs:
         quant, dtype, head = OWN[name.removesuffix("-torch-ops")]
-        engines[name] = load_engine(
-            model,
-            quant=quant,
-            dtype=dtype,
-            max_batch=len(prompts),
-            max_seq_len=max(map(len, prompts)) + new_tokens + 1,
-            int8_lm_head=head,
-        )
+        with kernels_off(name.endswith("-torch-ops")):
+            engines[name] = load_engine(
+                model,
+                quant=quant,
+                dtype=dtype,
+                max_batch=len(prompts),
+                max_seq_len=max(map(len, prompts)) + new_tokens + 1,
+                int8_lm_head=head,
+            )
     samples = {name: [] for name in configs}
     for _ in range(rounds):
         for name, engine in engines.items():
-            torch_ops = name.endswith("-torch-ops")
-            saved = cpu_kernels.kernels
-            if torch_ops:
-                cpu_kernels.kernels = lambda: None
-            try:
+            with kernels_off(name.endswith("-torch-ops")):
                 samples[name].append(measure(engine, prompts, new_tokens))
-            finally:
-                cpu_kernels.kernels = saved
     rows = []
     for name, engine in engines.items():
         weights, kv = step_bytes(engine), kv_bytes(engine, prompts, new_tokens)
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine_info(),
         "stream_bytes_per_s": round(bw),
         "vector_attention": bool(kernels.vector_attention),
-        "int8_gemm_vnni": bool(kernels.int8_gemm_vnni),
+        "int8_gemm": kernels.int8_gemm,
         "rows": rows,
     }
     emit(result, args.out)

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -25,8 +26,10 @@ log = logging.getLogger(__name__)
 
 
 def build_dir() -> Path:
-    """Where this CPU kind's build lives: `QURL_KERNELS_DIR` or ~/.cache/qurl/kernels, one folder per CPU flag set."""
-    key = hashlib.sha256((" ".join(sorted(cpu_flags())) + torch.__version__).encode()).hexdigest()[:12]
+    """Where this build lives: `QURL_KERNELS_DIR` or ~/.cache/qurl/kernels, one folder per CPU flag set, torch and
+    source (two checkouts of different sources would otherwise rebuild over each other's module)."""
+    key = hashlib.sha256((" ".join(sorted(cpu_flags())) + torch.__version__).encode() + SOURCE.read_bytes())
+    key = key.hexdigest()[:12]
     base = os.environ.get("QURL_KERNELS_DIR") or Path.home() / ".cache" / "qurl" / "kernels"
     return Path(base) / key
 
@@ -41,6 +44,8 @@ def kernels() -> ModuleType | None:
 
         path = build_dir()
         path.mkdir(parents=True, exist_ok=True)
+        if not (path / "qurl_decode_cpu.so").exists():  # a first use would otherwise stall for a minute unexplained
+            log.warning("building the CPU kernels for this CPU kind in %s (once, about a minute)", path)
         return load("qurl_decode_cpu", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(path))
     except Exception as e:  # no compiler, no ninja, a read-only cache: the torch operators still work
         log.warning("qurl CPU kernels unavailable (%s); the torch engine uses torch operators", str(e).splitlines()[0])
@@ -64,11 +69,42 @@ def cpu_flags() -> frozenset[str]:
 
 
 def int8_gemm_kernels() -> ModuleType | None:
-    """The kernels if their VNNI int8 GEMM should run: AVX-512 VNNI without AMX (with AMX, oneDNN's qlinear runs on
-    its tiles, and the VNNI kernel was never measured against that)."""
+    """The kernels if their int8 GEMM should run: AVX-512 VNNI or AVX2, without AMX (with AMX, oneDNN's qlinear runs
+    on its tiles, and the kernel was never measured against that)."""
     k = kernels()
-    return k if k is not None and k.int8_gemm_vnni and "amx_int8" not in cpu_flags() else None
+    return k if k is not None and k.int8_gemm and "amx_int8" not in cpu_flags() else None
+
+
+# The x86 CPU kinds qurl meets, as -march targets: the source compiles for each, whatever this machine is (each
+# kind builds only its own paths with -march=native, so an error on another kind's path shows nowhere else).
+CPU_KINDS = {"no-avx2": "x86-64", "avx2": "x86-64-v3", "avx512-vnni-bf16": "cooperlake"}
+
+
+def check_cpu_kinds() -> list[str]:
+    """The CPU kinds whose compile of the source fails, each with its first error line (g++ -fsyntax-only, parallel)."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    cmd = ["g++", "-fsyntax-only", "-std=c++20", "-fopenmp", "-DTORCH_EXTENSION_NAME=check", *includes, str(SOURCE)]
+    runs = {
+        kind: subprocess.Popen([*cmd, f"-march={march}"], stderr=subprocess.PIPE, text=True)
+        for kind, march in CPU_KINDS.items()
+    }
+    failed = []
+    for kind, proc in runs.items():
+        errors = [line for line in proc.communicate()[1].splitlines() if "error" in line]
+        if proc.returncode != 0:
+            failed.append(f"{kind} (-march={CPU_KINDS[kind]}): {errors[0] if errors else 'g++ failed'}")
+    return failed
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--check-cpu-kinds"]:
+        if platform.machine() not in ("x86_64", "AMD64"):
+            sys.exit(print(f"--check-cpu-kinds: skipped, the kinds are x86 and this machine is {platform.machine()}"))
+        failures = check_cpu_kinds()
+        sys.exit("\n".join(f"{SOURCE.name} does not compile for {f}" for f in failures) if failures else 0)
     sys.exit(0 if kernels() is not None else f"could not build {SOURCE} in {build_dir()}")

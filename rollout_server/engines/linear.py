@@ -28,9 +28,6 @@ from qurl.quant import (
 from rollout_server.engines.cpu_kernels import int8_gemm_kernels, usable
 
 _CUDA_INT_MM_MIN_M = 17  # cuBLAS int8 GEMM in torch._int_mm needs more than 16 rows
-# up to this many rows (decode batches) the VNNI kernel beats oneDNN's qlinear at SmolLM2's shapes on Zen 4; above it
-# oneDNN is as fast or faster (prefill)
-_VNNI_MAX_ROWS = 32
 _ONEDNN = torch.backends.mkldnn.is_available()
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if _ONEDNN else None
 _ONEDNN_QLINEAR = _ONEDNN and hasattr(torch.ops.onednn, "qlinear_pointwise")
@@ -127,10 +124,11 @@ class Int8Linear(_RowScaled):
         super().__init__(prefixes, tensors, dtype, device)
         # CPU: a oneDNN-prepacked copy of the codes, about 2x faster than torch._int_mm at decode shapes (13-20x
         # with the sign split on an AVX2-only CPU, where _int_mm has no fast kernel)
-        # and, with AVX-512 VNNI, the CPU kernels' panels of the codes for decode batches (csrc/decode_cpu.cpp)
+        # and, with AVX-512 VNNI or AVX2, the CPU kernels' copy of the codes for decode batches (csrc/decode_cpu.cpp;
+        # up to int8_gemm_max_rows rows, above which oneDNN is as fast)
         self.packed = self.panels = None
         self._onednn = _ONEDNN_QLINEAR and self.weight.device.type == "cpu"
-        self._vnni = int8_gemm_kernels() if self._onednn else None
+        self._gemm = int8_gemm_kernels() if self._onednn else None
         if self._onednn:
             self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
             self.split = not onednn_int8_is_exact()
@@ -138,8 +136,8 @@ class Int8Linear(_RowScaled):
             self.repack()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._takes_vnni(x):
-            return self._int8_vnni(x, x.dtype, self.bias)
+        if self._takes_kernel(x):
+            return self._int8_kernel(x, x.dtype, self.bias)
         if self.packed is not None and x.dtype != torch.float64:
             return self._add_bias(self._int8_onednn(x, x.dtype), x)
         return self._add_bias(int8_matmul(x, self.weight, self.scale_t), x)
@@ -148,14 +146,15 @@ class Int8Linear(_RowScaled):
         """Rebuild the prepacked codes from the int8 buffers; needed after they were written in place."""
         if self._onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
-        if self._vnni is not None:
-            self.panels, self.compensation = self._vnni.int8_pack(self.weight)
+        if self._gemm is not None:
+            self.panels, self.compensation = self._gemm.int8_pack(self.weight)
 
-    def _takes_vnni(self, x: torch.Tensor) -> bool:
-        return self._vnni is not None and x.dim() == 2 and x.shape[0] <= _VNNI_MAX_ROWS and x.dtype != torch.float64
+    def _takes_kernel(self, x: torch.Tensor) -> bool:
+        g = self._gemm
+        return g is not None and x.dim() == 2 and x.shape[0] <= g.int8_gemm_max_rows and x.dtype != torch.float64
 
-    def _int8_vnni(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-        """Same math as int8_matmul, exact: the VNNI kernel's u8 x s8 int32 sums, dequantized (+ bias) in one pass."""
+    def _int8_kernel(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+        """Same math as int8_matmul, exact: the kernel's int32 sums, dequantized (+ bias) in one pass."""
         xu, xs = _quantize_rows(x.contiguous())
         n = self.weight.shape[0]
         return torch.ops.qurl.int8_gemm(xu, xs, self.panels, self.compensation, self.scale.view(-1), bias, n, out_dtype)
@@ -192,8 +191,8 @@ class Int8Head(Int8Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Logits stay in the int32 sums' fp32: no round trip through a bf16 model dtype."""
-        if self._takes_vnni(x):
-            return self._int8_vnni(x, torch.float32, None)
+        if self._takes_kernel(x):
+            return self._int8_kernel(x, torch.float32, None)
         if self.packed is not None and x.dtype != torch.float64:
             return self._int8_onednn(x, torch.float32)
         return int8_matmul(x, self.weight, self.scale_t)

@@ -17,10 +17,26 @@ inline float load(const c10::BFloat16* p, int64_t i) { return static_cast<float>
 template <typename T>
 inline T store(float v) { return static_cast<T>(v); }  // bf16: round to nearest even, as torch's casts
 
+// parallel_for's grain for items of `work` elements each: a call under at::internal::GRAIN_SIZE elements in all runs
+// on the calling thread, as torch's own element-wise operators do. A parallel region for every small call woke the
+// OpenMP pool at each decode step's dozens of kernels (RESULTS §13).
+inline int64_t grain(int64_t work, int64_t min_work = at::internal::GRAIN_SIZE) {
+  return std::max<int64_t>(1, min_work / std::max<int64_t>(1, work));
+}
+
+// parallel_for over a decode attention call's (sequence, kv head) tasks, each reading its keys and values once per
+// query row (`row_width` = query rows x head_dim elements), grained by the mean length
+template <typename F>
+void for_attention_tasks(int64_t b, int64_t kvh, int64_t row_width, const int64_t* lengths, const F& f) {
+  int64_t keys = 0;
+  for (int64_t i = 0; i < b; ++i) keys += lengths[i];
+  at::parallel_for(0, b * kvh, grain(2 * row_width * std::max<int64_t>(1, keys / b)), f);
+}
+
 // y = w * dtype(x32 * rsqrt(mean(x32^2) + eps)), the product rounded once to the model dtype (HF RMSNorm)
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t k, float eps) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(k), [&](int64_t begin, int64_t end) {
     std::vector<float> x32(k);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * k;
@@ -43,7 +59,7 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t k, float 
 // per-row symmetric int8 codes shifted by 128 into uint8 (oneDNN's zero point 128) and the fp32 scale amax / 127
 template <typename T>
 void quant_rows(const T* x, uint8_t* q, float* scale, int64_t rows, int64_t k) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * k;
       float amax = 0.f;
@@ -67,7 +83,7 @@ void rope_cache_rows(const T* qkv, const T* cos, const T* sin, T* q, T* kc, T* v
                      int64_t heads, int64_t kvh, int64_t d, int64_t kc_slot, int64_t kc_head, int64_t vc_slot,
                      int64_t vc_head) {
   const int64_t half = d / 2, width = (heads + 2 * kvh) * d;
-  at::parallel_for(0, b * (heads + 2 * kvh), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, b * (heads + 2 * kvh), grain(d), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bi = task / (heads + 2 * kvh), h = task % (heads + 2 * kvh);
       const T* x = qkv + bi * width + h * d;
@@ -168,7 +184,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
   T* op = out.data_ptr<T>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  at::parallel_for(0, b * kvh, 1, [&](int64_t begin, int64_t end) {
+  for_attention_tasks(b, kvh, g * d, lengths, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(g * d), acc(g * d), scores;
     std::vector<__m512> row(c16);
     for (int64_t task = begin; task < end; ++task) {
@@ -230,7 +246,12 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 #if defined(__AVX512VNNI__)
-constexpr bool kInt8Gemm = true;
+#define QURL_INT8_GEMM
+constexpr const char* kInt8Gemm = "avx512-vnni";
+constexpr int64_t kInt8GemmMaxRows = 32;  // above it oneDNN's qlinear is as fast (RESULTS §13)
+inline bool packed_matches(const at::Tensor& p, int64_t n, int64_t k) {
+  return p.dim() == 4 && p.size(0) == (n + 15) / 16 && p.size(1) == (k + 3) / 4;
+}
 
 // int8 codes [N, K] -> [ceil(N/16)][ceil(K/4)][16][4] (zero padded), the panel one VNNI step reads, and
 // 128 * each row's sum (the u8 input's zero point times the codes)
@@ -300,7 +321,8 @@ template <typename T>
 void int8_gemm_kernel(const uint8_t* xu, const float* xs, const int8_t* pk, const int32_t* comp, const float* ws,
                       const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
   const int64_t nb = (n + 15) / 16, k4 = (k + 3) / 4;
-  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+  // a region only for work worth a fork: 2^19 multiply-adds is ~8k VNNI instructions, a few microseconds
+  at::parallel_for(0, nb, grain(m * k * 16, int64_t{1} << 19), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int8_t* panel = pk + b * k4 * 64;
       const __m512i cv = _mm512_loadu_si512(comp + b * 16);
@@ -335,23 +357,223 @@ void int8_gemm_kernel(const uint8_t* xu, const float* xs, const int8_t* pk, cons
   });
 }
 #else
-constexpr bool kInt8Gemm = false;  // without AVX-512 VNNI the engine keeps oneDNN's qlinear
+constexpr const char* kInt8Gemm = "";  // without AVX-512 VNNI the engine keeps oneDNN's qlinear
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA (the AVX2-only EPYC): the same kernels 8 lanes wide, and an int8 GEMM on AVX2's u8 x s8 pairs
+#include <immintrin.h>
+#define QURL_INT8_GEMM
+constexpr const char* kInt8Gemm = "avx2";
+constexpr int64_t kInt8GemmMaxRows = 256;  // 1.04-2.4x oneDNN's sign split from 1 to 256 rows (RESULTS §13)
+
+// int8 codes [N, K] -> the same rows zero padded to a multiple of 32 inputs (one AVX2 step), and an unused
+// compensation (this kernel multiplies signed codes, no zero point). Codes must be symmetric: -128 has no sign flip.
+std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& codes) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(), "int8_pack: int8 [N, K]");
+  TORCH_CHECK(codes.numel() == 0 || codes.min().item<int8_t>() > -128, "int8_pack: codes in [-127, 127]");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  auto packed = at::zeros({n, (k + 31) / 32 * 32}, codes.options());
+  packed.narrow(1, 0, k).copy_(codes);
+  return {packed, at::zeros({n}, codes.options().dtype(at::kInt))};
+}
+inline bool packed_matches(const at::Tensor& p, int64_t n, int64_t k) {
+  return p.dim() == 2 && p.size(0) == n && p.size(1) == (k + 31) / 32 * 32;
+}
+
+// y[m, n] = ((sum_k x[m, k] w[n, k]) * x_scale[m]) * w_scale[n] (+ bias[n]), x the signed codes (xu ^ 0x80).
+// AVX2 multiplies u8 x s8 pairs into saturating int16, so each step takes |x| and w with x's sign (|x|, |w| <= 127:
+// a pair's sum stays under 32767, the sums exact, as llama.cpp's AVX2 dot products do); 2 rows x 4 columns a tile.
+template <typename T>
+void int8_gemm_kernel(const uint8_t* xu, const float* xs, const int8_t* pk, const int32_t*, const float* ws,
+                      const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
+  const int64_t kp = (k + 31) / 32 * 32;
+  std::vector<int8_t> sx(m * kp, 0), ax(m * kp, 0);  // signed codes and their magnitudes, zero padded like the rows
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t i = 0; i < k; ++i) {
+      const int8_t c = static_cast<int8_t>(xu[r * k + i] ^ 0x80);
+      sx[r * kp + i] = c;
+      ax[r * kp + i] = static_cast<int8_t>(c < 0 ? -c : c);
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  at::parallel_for(0, (n + 3) / 4, grain(m * k * 4, int64_t{1} << 19), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t c0 = 4 * b, cols = std::min<int64_t>(4, n - c0);
+      const int8_t* w[4];
+      for (int64_t j = 0; j < 4; ++j) w[j] = pk + std::min(c0 + j, n - 1) * kp;  // a short tile repeats its last
+      for (int64_t m0 = 0; m0 < m; m0 += 2) {
+        const int64_t rows = std::min<int64_t>(2, m - m0);
+        const int8_t* xsr[2] = {sx.data() + m0 * kp, sx.data() + (m0 + rows - 1) * kp};
+        const int8_t* xar[2] = {ax.data() + m0 * kp, ax.data() + (m0 + rows - 1) * kp};
+        __m256i acc[2][4];
+        for (auto& row : acc) for (auto& a : row) a = _mm256_setzero_si256();
+        for (int64_t i = 0; i < kp; i += 32) {
+          __m256i wv[4];
+          for (int j = 0; j < 4; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + i));
+          for (int r = 0; r < 2; ++r) {
+            const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xar[r] + i));
+            const __m256i xsg = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xsr[r] + i));
+            for (int j = 0; j < 4; ++j) {
+              const __m256i pairs = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[j], xsg));
+              acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(pairs, ones));
+            }
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[r][0], acc[r][1]),
+                                              _mm256_hadd_epi32(acc[r][2], acc[r][3]));
+          alignas(16) int32_t sums[4];
+          _mm_store_si128(reinterpret_cast<__m128i*>(sums),
+                          _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+          for (int64_t j = 0; j < cols; ++j) {  // the dequantization of the oneDNN sign-split path it replaces
+            float out = (static_cast<float>(sums[j]) * xs[m0 + r]) * ws[c0 + j];
+            if (bias != nullptr) out = static_cast<float>(store<T>(out)) + static_cast<float>(bias[c0 + j]);
+            y[(m0 + r) * n + c0 + j] = store<T>(out);
+          }
+        }
+      }
+    }
+  });
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// e^x for x in [-87, 88.7]: as exp16, with 2^n built in the exponent bits (AVX2 has no scalef)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+inline __m256 round8(__m256 x, float) { return x; }
+inline __m256 round8(__m256 x, c10::BFloat16) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(c10::BFloat16* p, __m256 x) {
+  const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round8(x, c10::BFloat16())), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// lane j = the sum of v[j]'s 8 lanes: two rounds of horizontal adds, then the two halves added
+inline __m256 sum8(const __m256* v) {
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+inline float reduce8(__m256 x, bool max) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, x);
+  float r = lanes[0];
+  for (int i = 1; i < 8; ++i) r = max ? std::max(r, lanes[i]) : r + lanes[i];
+  return r;
+}
+
+constexpr bool kVectorAttention = true;
+
+// decode_attention_kernel of the AVX-512 block, 8 keys and 8 lanes at a time (D a multiple of 16, up to 128)
+template <typename T>
+void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const int64_t* lengths, float scale, at::Tensor& out) {
+  const int64_t b = q.size(0), kvh = q.size(1), g = q.size(2), d = q.size(3), c8 = d / 8;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  for_attention_tasks(b, kvh, g * d, lengths, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * d), acc(g * d), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bi = task / kvh, h = task % kvh, len = lengths[bi], padded = (len + 7) / 8 * 8;
+      const T* qt = qp + task * g * d;
+      for (int64_t i = 0; i < g * d; ++i) qf[i] = load(qt, i) * scale;
+      scores.resize(g * padded);
+      const T* kt = kp + bi * ks0 + h * ks1;
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const float* qg = qf.data() + gi * d;
+        for (int64_t l0 = 0; l0 < len; l0 += 8) {
+          __m256 part[8];
+          for (int64_t j = 0; j < 8; ++j) {
+            part[j] = _mm256_setzero_ps();
+            if (l0 + j < len) {
+              const T* kr = kt + (l0 + j) * ks2;
+              for (int64_t c = 0; c < c8; ++c) {
+                part[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(kr + 8 * c), part[j]);
+              }
+            }
+          }
+          _mm256_storeu_ps(scores.data() + gi * padded + l0, sum8(part));
+        }
+      }
+      for (int64_t gi = 0; gi < g; ++gi) {
+        float* sg = scores.data() + gi * padded;
+        std::fill(sg + len, sg + padded, sg[0]);
+        __m256 m = _mm256_set1_ps(sg[0]);
+        for (int64_t l = 0; l < padded; l += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sg + l));
+        const __m256 mx = _mm256_set1_ps(reduce8(m, true));
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t l = 0; l < padded; l += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + l), mx));
+          _mm256_storeu_ps(sg + l, e);
+          const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+          const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(len - l)), lane));
+          sum = _mm256_add_ps(sum, _mm256_and_ps(e, keep));  // the tail's padding lanes left out
+        }
+        const float inv = 1.f / reduce8(sum, false);
+        for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
+      }
+      const T* vt = vp + bi * vs0 + h * vs1;
+      for (int64_t gi = 0; gi < g; ++gi) {
+        __m256 a[16];
+        for (int64_t c = 0; c < c8; ++c) a[c] = _mm256_setzero_ps();
+        const float* pg = scores.data() + gi * padded;
+        for (int64_t l = 0; l < len; ++l) {
+          const __m256 pv = _mm256_set1_ps(pg[l]);
+          const T* vr = vt + l * vs2;
+          for (int64_t c = 0; c < c8; ++c) a[c] = _mm256_fmadd_ps(pv, load8(vr + 8 * c), a[c]);
+        }
+        for (int64_t c = 0; c < c8; ++c) _mm256_storeu_ps(acc.data() + gi * d + 8 * c, a[c]);
+      }
+      T* ot = op + task * g * d;
+      for (int64_t i = 0; i < g * d; ++i) ot[i] = store<T>(acc[i]);
+    }
+  });
+}
 #else
-constexpr bool kVectorAttention = false;  // without AVX-512 the engine keeps torch's scaled_dot_product_attention
-constexpr bool kInt8Gemm = false;         // and oneDNN's qlinear
+constexpr bool kVectorAttention = false;  // without AVX2 + FMA the engine keeps torch's scaled_dot_product_attention
+constexpr const char* kInt8Gemm = "";     // and oneDNN's qlinear
 
 template <typename T>
 void decode_attention_kernel(const at::Tensor&, const at::Tensor&, const at::Tensor&, const int64_t*, float,
                              at::Tensor&) {
-  TORCH_CHECK(false, "decode_attention needs AVX-512");
+  TORCH_CHECK(false, "decode_attention needs AVX2 and FMA");
 }
 #endif
 
 // out = up * silu(gate) for gate_up = [gate | up] rows, each product rounded to the model dtype as torch does
 template <typename T>
 void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(3 * inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gu + r * 2 * inter;
       const T* u = g + inter;
@@ -363,6 +585,13 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
         const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(88.f)));
         const __m512 act = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), T());
         store16(o + i, _mm512_mul_ps(act, load16(u + i)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= inter; i += 8) {
+        const __m256 x = load8(g + i);
+        const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), _mm256_set1_ps(88.f)));
+        const __m256 act = round8(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)), T());
+        store8(o + i, _mm256_mul_ps(act, load8(u + i)));
       }
 #endif
       for (; i < inter; ++i) {
@@ -448,14 +677,13 @@ at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
-#if defined(__AVX512VNNI__)
+#ifdef QURL_INT8_GEMM
 at::Tensor int8_gemm(const at::Tensor& xu, const at::Tensor& xs, const at::Tensor& packed, const at::Tensor& comp,
                      const at::Tensor& ws, const c10::optional<at::Tensor>& bias, int64_t n, at::ScalarType out_dtype) {
   TORCH_CHECK(xu.scalar_type() == at::kByte && xu.dim() == 2 && xu.is_contiguous(), "int8_gemm xu: uint8 [M, K]");
   const int64_t m = xu.size(0), k = xu.size(1);
   TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.is_contiguous() && xs.numel() == m, "int8_gemm xs: fp32 [M, 1]");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (n + 15) / 16 && packed.size(1) == (k + 3) / 4,
-              "int8_gemm: packed codes do not match [N, K]");
+  TORCH_CHECK(packed_matches(packed, n, k), "int8_gemm: packed codes do not match [N, K]");
   TORCH_CHECK(ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.numel() == n, "int8_gemm ws: fp32 [N]");
   auto y = at::empty({m, n}, xu.options().dtype(out_dtype));
   const bool has_bias = bias.has_value() && bias->defined();
@@ -502,7 +730,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-#if defined(__AVX512VNNI__)
+#ifdef QURL_INT8_GEMM
 // a dispatcher op, so that profilers (benchmarks/rollout_throughput.py's GEMM share) see the GEMM by name
 TORCH_LIBRARY(qurl, m) {
   m.def("int8_gemm(Tensor xu, Tensor xs, Tensor packed, Tensor comp, Tensor ws, Tensor? bias, int n, "
@@ -517,9 +745,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "up * silu(gate) over [gate | up] rows");
   m.def("rope_cache", &rope_cache, "rotary q and k of one token per sequence; k, v written to the cache");
   m.attr("vector_attention") = kVectorAttention;
-  m.attr("int8_gemm_vnni") = kInt8Gemm;
-#if defined(__AVX512VNNI__)
-  m.def("int8_pack", &int8_pack, "int8 codes into the VNNI kernel's panels, and the zero point's compensation");
+  m.attr("int8_gemm") = kInt8Gemm;  // the instruction set of the int8 GEMM, "" where there is none
+#ifdef QURL_INT8_GEMM
+  m.attr("int8_gemm_max_rows") = kInt8GemmMaxRows;
+  m.def("int8_pack", &int8_pack, "int8 codes into the GEMM kernel's layout, and the zero point's compensation");
 #endif
   m.def("decode_attention", &decode_attention, "one query token per sequence over its cache");
 }
