@@ -14,6 +14,7 @@ measured in the same run (a sum over a 512 MB buffer) that bounds decode tokens/
 to bf16 (with kernels) in the same round.
 
     python benchmarks/decode.py [--models smollm2,qwen2-150m] [--batches 16,64] [--rounds 3] [--out FILE] [--quick]
+    python benchmarks/decode.py --gemm [--out FILE]   # the kernels' int8 GEMM against oneDNN, 1-256 rows
 
 --quick: a 2-layer random Qwen2 (`tiny`), batch 4, 8 new tokens, one round (the test's run).
 """
@@ -172,6 +173,43 @@ def run(model: str, prompts: list[list[int]], configs: list[str], rounds: int, n
     return rows
 
 
+GEMM_SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}  # SmolLM2's (N, K)
+
+
+def gemm_rows(shapes: dict, rows: list[int], reps: int) -> list[dict]:
+    """The kernels' int8 GEMM against oneDNN's qlinear (what Int8Linear runs without it) at decode row counts, fp32
+    activations, one Int8Linear switched between the two, medians of 5 timings of `reps` calls."""
+    from qurl.quant import quantize_int8
+    from rollout_server.engines.linear import Int8Linear
+
+    def timed(f) -> float:
+        f()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(reps):
+                f()
+            times.append((time.perf_counter() - t) / reps)
+        return statistics.median(times)
+
+    out = []
+    for name, (n, k) in shapes.items():
+        codes, scale = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), dim=-1)
+        lin = Int8Linear(["w"], {"w.weight": codes, "w.weight_scale": scale}, torch.float32, torch.device("cpu"))
+        kernel = lin._gemm
+        for m in rows:
+            x = torch.randn(m, k)
+            lin._gemm = kernel
+            a = timed(lambda: lin(x))
+            lin._gemm = None
+            b = timed(lambda: lin(x))
+            macs = m * n * k
+            row = {"shape": name, "n": n, "k": k, "rows": m, "kernel_gmac_per_s": round(macs / a / 1e9, 2)}
+            out.append(row | {"onednn_gmac_per_s": round(macs / b / 1e9, 2), "kernel_vs_onednn": round(b / a, 3)})
+            print("gemm", out[-1], file=sys.stderr, flush=True)
+    return out
+
+
 def prompts_for(model_name: str, tmp: str, batch: int) -> tuple[str, list[list[int]]]:
     if model_name == "smollm2":
         return smollm2_prompts(batch)
@@ -192,12 +230,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--gemm", action="store_true", help="only the int8 GEMM against oneDNN at SmolLM2's shapes")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.batches, args.rounds, args.new_tokens = "tiny", "4", 1, 8
     torch.set_num_threads(args.threads)
     if cpu_kernels.kernels() is None:
         raise SystemExit("decode.py: the CPU kernels did not build (see the warning); nothing to compare")
+    if args.gemm:
+        if cpu_kernels.int8_gemm_kernels() is None:
+            raise SystemExit("decode.py --gemm: the CPU kernels have no int8 GEMM for this CPU")
+        gemm = {"benchmark": "decode-gemm", "machine": machine_info(), "int8_gemm": cpu_kernels.kernels().int8_gemm}
+        gemm["rows"] = gemm_rows(GEMM_SHAPES, [1, 16, 32, 64, 128, 256], 5)
+        emit(gemm, args.out)
+        return gemm
     bw = stream_bandwidth()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -217,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
         "int8_gemm": kernels.int8_gemm,
         "rows": rows,
     }
+    if args.quick and cpu_kernels.int8_gemm_kernels() is not None:
+        result["gemm"] = gemm_rows({"tiny": (64, 32)}, [1, 4], 2)
     emit(result, args.out)
     return result
 

@@ -177,3 +177,5 @@ def test_decode_benchmark_quick(tmp_path):
     # int8 codes and an int8 lm_head stream about half of bf16's weight bytes
     assert rows["int8+bf16+head"]["weight_bytes_per_step"] < 0.6 * rows["bf16"]["weight_bytes_per_step"]
     assert all(0 < r["share_of_byte_limit"] for r in rows.values())
+    if cpu_kernels.int8_gemm_kernels() is not None:  # the GEMM against oneDNN, both timed at each row count
+        assert [r["rows"] for r in result["gemm"]] == [1, 4] and all(r["kernel_vs_onednn"] > 0 for r in result["gemm"])
