@@ -311,6 +311,7 @@ def test_auto_endpoint_is_one_clear_error(demo_dir):
     )
 
 
+@pytest.mark.slow  # 30-60 s each on an AVX2-only EPYC; the default suite keeps under 10 minutes there (README)
 def test_server_end_to_end_fp32(demo_dir, gold, learner, tmp_path):
     """quant none: exact logprobs, garbage survived, a live weight push, the staleness budget, SIGTERM."""
     demo_dir = Path(demo_dir)

@@ -81,6 +81,7 @@ def test_bf16_engine_takes_small_exact_deltas_of_every_tensor(model_dir, bf16_ve
 # -- end to end: a real server process, the learner's real weight sync and control plane ----------------------------
 
 
+@pytest.mark.slow  # 30-60 s each on an AVX2-only EPYC; the default suite keeps under 10 minutes there (README)
 def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, trajectory, tmp_path):
     versions = trajectory["int8"]
     ctx = zmq.Context()

@@ -104,6 +104,7 @@ def test_a_non_finite_setting_is_a_config_error(demo_dir, tmp_path, override, ke
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow  # 30-60 s each on an AVX2-only EPYC; the default suite keeps under 10 minutes there (README)
 def test_damaged_checkpoints_are_skipped_or_refused_and_diverging_weights_stop_before_any_write(demo_dir, tmp_path):
     run_dir = tmp_path / "ckpt"
     code, out = launch(demo_dir, run_dir, 4)
@@ -311,6 +312,7 @@ def test_a_yaml_syntax_error_names_its_line_and_column(tmp_path):
     print(f"yaml (exit {code}): {line}")
 
 
+@pytest.mark.slow  # 30-60 s each on an AVX2-only EPYC; the default suite keeps under 10 minutes there (README)
 def test_a_server_that_cannot_start_is_not_restarted_names_the_key_and_leaves_a_folder_that_runs_when_fixed(
     demo_dir, tmp_path
 ):
