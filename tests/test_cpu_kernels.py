@@ -106,16 +106,16 @@ def test_decode_attention_matches_sdpa(k, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,kk", [(1, 16, 64), (16, 960, 576), (17, 37, 70), (32, 100, 3)])
-def test_vnni_int8_gemm_equals_the_onednn_path(k, dtype, m, n, kk):
+def test_int8_gemm_kernel_equals_the_onednn_path(k, dtype, m, n, kk):
     """Bit for bit: exact int32 sums and the same fp32 dequantization, bias added in the model dtype."""
     if cpu_kernels.int8_gemm_kernels() is None:
-        pytest.skip("the VNNI GEMM runs only on AVX-512 VNNI CPUs without AMX; oneDNN's qlinear runs here")
+        pytest.skip("the int8 GEMM kernel runs only with AVX-512 VNNI or AVX2 and without AMX; oneDNN runs here")
     torch.manual_seed(5)
     codes, scale = quantize_int8(torch.randn(n, kk))
     tensors = {"p.weight": codes, "p.weight_scale": scale, "p.bias": torch.randn(n)}
     lin = Int8Linear(["p"], tensors, dtype, torch.device("cpu"))
     x = torch.randn(m, kk).to(dtype)
-    assert lin._gemm is not None  # the VNNI path
+    assert lin._gemm is not None  # the kernel's path
     got = lin(x)
     lin._gemm = None  # the oneDNN path
     want = lin(x)
@@ -124,10 +124,10 @@ def test_vnni_int8_gemm_equals_the_onednn_path(k, dtype, m, n, kk):
     torch.testing.assert_close(got, exact, rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
-def test_vnni_panels_follow_in_place_updates(k):
+def test_int8_gemm_copies_follow_in_place_updates(k):
     """A push writes the codes in place; repack (the engine calls it) rebuilds the panels, and the int8 head's too."""
     if cpu_kernels.int8_gemm_kernels() is None:
-        pytest.skip("no VNNI GEMM on this CPU")
+        pytest.skip("no int8 GEMM kernel on this CPU")
     torch.manual_seed(6)
     head = Int8Head(torch.randn(96, 64))
     x = torch.randn(4, 64)
