@@ -46,6 +46,7 @@ class TrajectoryBuffer:
         # the books' wire evidence:
         # server id -> {"sessions": {session: [accepted, highest seq]}, "life", "restart_gaps"}
         self.wire: dict[str, dict] = {}
+        self._training: tuple[int, int] | None = None  # (groups, learner version) of the batch a step is training on
         self._resumed_sessions: set[tuple[str, str]] = set()  # checkpointed sessions not heard from since the resume
         self._lock = threading.Lock()  # the control thread reads (A, U, received per server) as one snapshot
 
@@ -54,10 +55,20 @@ class TrajectoryBuffer:
         """A of the control replies: groups used or waiting in the buffer, over the whole run."""
         return self.used + len(self.groups)
 
-    def snapshot(self) -> tuple[int, int, dict[str, int]]:
-        """(accepted_total, used, groups received per server id), consistent with each other (learner/budget.py)."""
+    def snapshot(self, published: int) -> tuple[int, int, dict[str, int]]:
+        """(accepted_total, groups used by finished steps, groups received per server id), consistent with each other
+        (learner/budget.py). A batch still in training, its version not yet `published` to the servers, is not
+        counted as used: room granted for it would be filled with work by the old weights, stale once published."""
         with self._lock:
-            return self.accepted_total, self.used, dict(self.received_from)
+            used = self.used
+            if self._training is not None and published <= self._training[1]:
+                used -= self._training[0]
+            return self.accepted_total, used, dict(self.received_from)
+
+    def step_done(self) -> None:
+        """The step on the last batch ended (its update published, or skipped): its groups count as used."""
+        with self._lock:
+            self._training = None
 
     def counters(self) -> dict:
         """The buffer's cursor: what a resumed learner continues counting from."""
@@ -154,4 +165,5 @@ class TrajectoryBuffer:
             batch = [self.groups.popleft() for _ in range(self.batch_prompts)]
             self.used += len(batch)
             self.used_from.update(g.server_id for g in batch)
+            self._training = (len(batch), version)
             return batch

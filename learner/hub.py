@@ -175,6 +175,11 @@ class Hub:
             info = self.batch_info(groups, version, time.monotonic() - waited_from) if self.is_main else {}
             return batch, info
 
+    def step_done(self) -> None:
+        """Rank 0: the step on the last batch ended; the servers may fill its room (learner/budget.py)."""
+        if self.is_main:
+            self.buffer.step_done()
+
     def batch_info(self, groups: list, version: int, waited_s: float) -> dict:
         """Rank 0's view of the batch: rewards, staleness, lengths, reward statuses, buffer and server counters."""
         rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)

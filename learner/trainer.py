@@ -147,6 +147,7 @@ class Learner:
             if result.updated:
                 self.state.version += 1
                 sync = self._push()
+            self.hub.step_done()
             if self.is_main:
                 last_mark = self._log_step(dict(result.metrics, **info, **sync, **alarm), started, last_mark)
             if alarm_line is not None:

@@ -28,7 +28,7 @@ class Books:
     def __init__(self):
         self.accepted, self.used, self.received = 0, 0, {}
 
-    def snapshot(self):
+    def snapshot(self, published):
         return self.accepted, self.used, dict(self.received)
 
 

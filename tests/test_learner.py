@@ -538,21 +538,23 @@ def toy_group(gid: str, rewards: list[float], version: int = 0, token: int = 5) 
     )
 
 
+def inproc_buffer(ctx: zmq.Context, *, max_staleness: int, dynamic_sampling: bool) -> tuple:
+    """A rank-0 buffer of 2-group batches on an inproc PULL socket, and a server's sender into it."""
+    from learner.buffer import TrajectoryBuffer
+
+    pull = transport.bind(ctx, zmq.PULL, "inproc://buffer", secret=None, max_bytes=1 << 20)
+    push = transport.Sender(transport.connect(ctx, zmq.PUSH, "inproc://buffer", max_bytes=1 << 20), SERVER_ID)
+    receiver = transport.Receiver(pull, secret=None, max_bytes=1 << 20)
+    kept = dict(batch_prompts=2, max_staleness=max_staleness, dynamic_sampling=dynamic_sampling, vocab_size=100)
+    return TrajectoryBuffer(receiver, **kept), push
+
+
 def test_buffer_counts_every_group_it_does_not_use():
     from learner.batch import collate
-    from learner.buffer import TrajectoryBuffer
 
     ctx = zmq.Context()
     try:
-        pull = transport.bind(ctx, zmq.PULL, "inproc://buffer", secret=None, max_bytes=1 << 20)
-        push = transport.Sender(transport.connect(ctx, zmq.PUSH, "inproc://buffer", max_bytes=1 << 20), SERVER_ID)
-        buffer = TrajectoryBuffer(
-            transport.Receiver(pull, secret=None, max_bytes=1 << 20),
-            batch_prompts=2,
-            max_staleness=1,
-            dynamic_sampling=True,
-            vocab_size=100,
-        )
+        buffer, push = inproc_buffer(ctx, max_staleness=1, dynamic_sampling=True)
         for g in (
             toy_group("old", [0, 1], version=0),
             toy_group("flat", [1, 1], version=2),
@@ -580,6 +582,41 @@ def test_buffer_counts_every_group_it_does_not_use():
         buffer.poll(1000, version=3)
         assert buffer.take(version=4) is None and buffer.dropped["stale"] == 3  # now 2 versions old
         assert buffer.received_from == {SERVER_ID: 8} and buffer.received == 8
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_batch_in_training_leaves_the_servers_no_room_until_its_version_is_published():
+    """Synchronous mode (max_staleness 0): while the learner trains on version v's batch, a server still at v must
+    get no grant, or it generates a batch beside the learner that is stale on arrival (it did: 6 of 14 groups
+    dropped in a 4-step sync run of the real workload, the server computing on the learner's cores)."""
+    from learner.budget import Budget
+
+    ctx = zmq.Context()
+    try:
+        buffer, push = inproc_buffer(ctx, max_staleness=0, dynamic_sampling=False)
+        budget = Budget(0, 2, buffer.snapshot)
+        assert budget.grant(SERVER_ID, 0, 0, {"admitted": 0}, now=0.0) == 2  # room for version 0's batch
+        for gid in ("a", "b"):
+            push.send(toy_group(gid, [0, 1], version=0))
+        time.sleep(0.1)
+        assert buffer.poll(1000, version=0) == 2 and len(buffer.take(version=0)) == 2
+        assert buffer.snapshot(0) == (2, 0, {SERVER_ID: 2})  # in training: not room for the servers yet
+        assert budget.grant(SERVER_ID, 0, 0, {"admitted": 2}, now=0.5) == 2  # the server waits, idle
+        assert budget.grant(SERVER_ID, 1, 0, {"admitted": 2}, now=0.6) == 2  # version 1 published, server lags
+        assert budget.grant(SERVER_ID, 1, 1, {"admitted": 2}, now=0.7) == 4  # it holds version 1: the next batch
+        buffer.step_done()
+        assert buffer.snapshot(1) == (2, 2, {SERVER_ID: 2})
+        assert len(buffer.take(version=1) or []) == 0  # nothing buffered yet
+        # a skipped update publishes nothing: the step's end alone frees its room
+        for gid in ("c", "d"):
+            push.send(toy_group(gid, [0, 1], version=1))
+        time.sleep(0.1)
+        buffer.poll(1000, version=1)
+        assert len(buffer.take(version=1)) == 2 and buffer.snapshot(1)[1] == 2
+        assert budget.grant(SERVER_ID, 1, 1, {"admitted": 4}, now=0.8) == 4
+        buffer.step_done()
+        assert budget.grant(SERVER_ID, 1, 1, {"admitted": 4}, now=0.9) == 6
     finally:
         ctx.destroy(linger=0)
 
