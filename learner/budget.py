@@ -1,14 +1,14 @@
 """The global staleness budget (design.md §3.5): grants that keep N rollout servers within one bound together.
 
 The bound: groups accepted (used or buffered, A) plus groups in flight at every server never exceed
-L = (max_staleness + 1) * batch_prompts + U, U the groups used by finished learner steps: room for max_staleness + 1
-batches beyond the last one finished. A batch in training counts in U only once its update's version is published
-to the servers: room granted earlier would be filled by the old weights and be stale on arrival (in synchronous
-mode the server would generate a whole batch beside the learner, on the same cores, and the learner would drop it).
-While every step updates the weights, U = V * batch_prompts (V the published version), so
-L = (max_staleness + V + 1) * batch_prompts; a step whose update is skipped (non-finite loss) still uses its batch
-once it ends, so the room it leaves the servers never shrinks, and its groups' staleness in versions only gets
-smaller.
+L = (max_staleness + 1) * batch_prompts + U, U the groups used by the learner steps that made the weights version
+the asking server holds: room for max_staleness + 1 batches beyond them, so whatever it starts is fresh when taken.
+A batch in training, or a version the server has not loaded yet, is not room for it: work started with the old
+weights would be stale on arrival (in synchronous mode the server would generate a whole batch beside the learner,
+on the same cores, and the learner would drop it). While every step updates the weights, U = w * batch_prompts (w
+the server's version), so L = (max_staleness + w + 1) * batch_prompts; a step whose update is skipped (non-finite
+loss) still uses its batch once it ends, so the room it leaves the servers never shrinks, and its groups' staleness
+in versions only gets smaller.
 Each server gets a cumulative grant G_i: it may have admitted
 at most G_i groups in its life (rollout_server/admission.py), and grants never shrink, so a grant in a
 delayed or lost reply can never be taken back. Server i holds at most G_i - R_i - bad_i groups not yet
@@ -55,14 +55,14 @@ class Holder:
 
 
 class Budget:
-    """Grants per server id; snapshot(published version) gives (A, U, groups received per server id) atomically."""
+    """Grants per server id; snapshot(weights version) gives (A, U at that version, groups received per server id)."""
 
     def __init__(
         self, max_staleness: int, batch_prompts: int, snapshot: Callable[[int], tuple[int, int, dict[str, int]]]
     ) -> None:
         self.max_staleness, self.batch_prompts, self.snapshot = max_staleness, batch_prompts, snapshot
         self.holders: dict[str, Holder] = {}
-        self.version = 0  # the published version of the last grant
+        self.version = 0  # the newest weights version at the last grant: the global bound admission/* reports
         self.violations = 0  # reports of more groups admitted than granted
         self.expired: set[str] = set()  # presumed dead in this learner life: if one comes back, its groups count again
         self._lock = threading.Lock()
@@ -76,8 +76,8 @@ class Budget:
         """Take a hello / heartbeat's counters; return the server's (possibly raised) cumulative grant."""
         admitted, bad = int(counters.get("admitted", 0)), int(counters.get("bad_groups", 0))
         with self._lock:
-            self.version = version
-            accepted, used, received = self.snapshot(version)
+            self.version = max(version, server_version)  # a server holding a version proves it is being published
+            accepted, used, received = self.snapshot(server_version)
             h = self.holders.get(sid)
             if (
                 h is None or h.sent_final is not None
@@ -95,7 +95,7 @@ class Budget:
                 free = limit - accepted - self._reserved(received)
                 share = math.ceil(max(0, limit - accepted) / live)
                 h.grant += max(0, min(free, received.get(sid, 0) + h.bad + h.lost + share - h.grant))
-            self._observe(limit, accepted, received, live)
+            self._observe(self.limit(self.snapshot(self.version)[1]), accepted, received, live)
             return h.grant
 
     def bye(self, sid: str, counters: dict) -> None:

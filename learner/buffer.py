@@ -46,7 +46,7 @@ class TrajectoryBuffer:
         # the books' wire evidence:
         # server id -> {"sessions": {session: [accepted, highest seq]}, "life", "restart_gaps"}
         self.wire: dict[str, dict] = {}
-        self._training: tuple[int, int] | None = None  # (groups, learner version) of the batch a step is training on
+        self._used_by: dict[int, int] = {0: 0}  # weights version -> groups used by the steps that made it and before
         self._resumed_sessions: set[tuple[str, str]] = set()  # checkpointed sessions not heard from since the resume
         self._lock = threading.Lock()  # the control thread reads (A, U, received per server) as one snapshot
 
@@ -55,20 +55,22 @@ class TrajectoryBuffer:
         """A of the control replies: groups used or waiting in the buffer, over the whole run."""
         return self.used + len(self.groups)
 
-    def snapshot(self, published: int) -> tuple[int, int, dict[str, int]]:
-        """(accepted_total, groups used by finished steps, groups received per server id), consistent with each other
-        (learner/budget.py). A batch still in training, its version not yet `published` to the servers, is not
-        counted as used: room granted for it would be filled with work by the old weights, stale once published."""
+    def snapshot(self, version: int) -> tuple[int, int, dict[str, int]]:
+        """(accepted_total, groups used by the steps that made weights `version`, groups received per server id),
+        consistent with each other (learner/budget.py). A server holding `version` gets room counted from there: a
+        batch still in training, or a newer version it has not loaded, is not room for it, since work it started
+        now would be stale when taken."""
         with self._lock:
-            used = self.used
-            if self._training is not None and published <= self._training[1]:
-                used -= self._training[0]
-            return self.accepted_total, used, dict(self.received_from)
+            made = [v for v in self._used_by if v <= version]
+            return self.accepted_total, self._used_by[max(made)] if made else 0, dict(self.received_from)
 
-    def step_done(self) -> None:
-        """The step on the last batch ended (its update published, or skipped): its groups count as used."""
+    def step_done(self, version: int) -> None:
+        """A step ended with weights `version` (new, or the same when its update was skipped): its groups count as
+        used for servers that hold that version. Called before the push, so a server never holds it first."""
         with self._lock:
-            self._training = None
+            self._used_by[version] = self.used
+            for old in [v for v in self._used_by if v < version - self.max_staleness - 1]:
+                del self._used_by[old]
 
     def counters(self) -> dict:
         """The buffer's cursor: what a resumed learner continues counting from."""
@@ -97,6 +99,7 @@ class TrajectoryBuffer:
         self.life = int(counters.get("life", 1)) + 1
         self.wire = json_copy(counters.get("wire", {}))
         self._resumed_sessions = {(sid, session) for sid, w in self.wire.items() for session in w["sessions"]}
+        self._used_by = {}  # the resumed learner records its version (step_done)
 
     def poll(self, timeout_ms: int, version: int) -> int:
         """Take every group waiting on the socket (waiting up to timeout_ms for the first); return how many."""
@@ -165,5 +168,4 @@ class TrajectoryBuffer:
             batch = [self.groups.popleft() for _ in range(self.batch_prompts)]
             self.used += len(batch)
             self.used_from.update(g.server_id for g in batch)
-            self._training = (len(batch), version)
             return batch

@@ -175,10 +175,10 @@ class Hub:
             info = self.batch_info(groups, version, time.monotonic() - waited_from) if self.is_main else {}
             return batch, info
 
-    def step_done(self) -> None:
-        """Rank 0: the step on the last batch ended; the servers may fill its room (learner/budget.py)."""
+    def step_done(self, version: int) -> None:
+        """Rank 0: a step ended with weights `version`; servers holding them may fill its room (learner/budget.py)."""
         if self.is_main:
-            self.buffer.step_done()
+            self.buffer.step_done(version)
 
     def batch_info(self, groups: list, version: int, waited_s: float) -> dict:
         """Rank 0's view of the batch: rewards, staleness, lengths, reward statuses, buffer and server counters."""

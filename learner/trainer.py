@@ -144,10 +144,10 @@ class Learner:
             # every rank: the metric is all-reduced, so all of them fire (and stop) at the same step
             alarm, alarm_line = self.alarm.observe(self.state.step, result.metrics["mismatch/kl_k3"])
             sync = self.weight_sync.metrics() if self.is_main else {}
+            self.state.version += int(result.updated)
+            self.hub.step_done(self.state.version)  # room for the servers that will hold it: before the push
             if result.updated:
-                self.state.version += 1
                 sync = self._push()
-            self.hub.step_done()
             if self.is_main:
                 last_mark = self._log_step(dict(result.metrics, **info, **sync, **alarm), started, last_mark)
             if alarm_line is not None:
@@ -195,6 +195,7 @@ class Learner:
             self.evaluation.resumed_at = self.state.step
             if self.is_main:
                 self.hub.restore(self.state.buffer, saved.get("reports", {}))
+                self.hub.step_done(self.state.version)
                 log.info("resumed from %s: step %d, version %d", path, self.state.step, self.state.version)
         if self.is_main:
             # a fresh start drops every old row (-1): only a start that failed before its first step leaves any
