@@ -12,22 +12,23 @@ Parts (all by default, or a subset with --parts):
   prefill seconds (one new token), and decode tokens/s from the rest of the generation.
 - learner: one real qurl-learner (benchmarks/learner_step.py's harness, synthetic groups of the recipe's shape)
   with train.precision fp32 and bf16 (FSDP2 mixed precision).
-- micro: the learner step with padded against length-bucketed micro-batches (train.micro_batches), bf16, on
+- micro: the learner step with padded against length-bucketed micro-batches (train.micro_batches), in --precision
+  (auto: bf16 where the CPU has native bf16, fp32 elsewhere, as train.precision auto trains), on
   the pipeline benchmark's rollout-shaped batches (2 prompts x 8 samples of 190-260 prompt tokens, responses of
   16-256 tokens drawn per sample, one update per step); the same batches in both runs. padded_tokens is
   rows x longest row per forward, summed over the step's micro-batches (the learner's actor/padded_tokens).
   achieved_flops = 6 N padded_tokens / train_s (one update per step: no separate proximal pass) against
-  bf16_matmul_flops, a bf16 [4096, hidden] x [hidden, intermediate] matmul timed in the same run:
+  matmul_flops, a [4096, hidden] x [hidden, intermediate] matmul in that precision timed in the same run:
   share_of_matmul_roofline.
-- profile: where a bf16 learner step's time goes, the micro part's batch shape on one gloo rank in this process
-  (learner/policy_step.py's PolicyStep, the gym recipe's settings, bucketed micro-batches): torch.profiler's
+- profile: where a learner step's time goes (--precision), the micro part's batch shape on one gloo rank in this
+  process (learner/policy_step.py's PolicyStep, the gym recipe's settings, bucketed micro-batches): torch.profiler's
   self CPU time grouped by kind (matmuls, attention, the log-softmax head, the optimizer, the rest), after one
   warm-up step.
 - sync: int8 codes changed per push and delta / full push bytes per engine dtype after AdamW steps at the
   recipe's learning rate (or --sync-lr), s = 1 and 1.5 (benchmarks/sync.py's run on GSM text).
 
     python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,profile,sync] [--threads 2] [--sync-lr LR]
-        [--out FILE]
+        [--precision auto|fp32|bf16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -48,10 +49,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import OWN, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
 from qurl.data import PromptDataset  # noqa: E402
+from qurl.hardware import native_bf16  # noqa: E402
 from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
 from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the learner's train.precision -> its matmul dtype
 PARTS = ("mismatch", "decode", "learner", "micro", "profile", "sync")
 RECIPE_LR = 1e-5  # configs/smollm2-gsm-cpu.yaml train.lr
 # (quant, model dtype, s, int8 lm_head): bf16 rollout's own mismatch, then INT8's with and without the int8 lm_head
@@ -201,18 +204,18 @@ def learner_rows(model: str, steps: int, threads: int, tmp: str) -> list[dict]:
     return rows
 
 
-def micro_rows(model: str, steps: int, threads: int, tmp: str) -> list[dict]:
+def micro_rows(model: str, steps: int, threads: int, tmp: str, precision: str) -> list[dict]:
     from learner_step import run_learner, summarize
 
     workload = (2, 8, (190, 260), (16, 256))  # prompts, samples, prompt tokens, response tokens (drawn)
     rows = []
     for mode in ("padded", "bucketed"):
-        train = {"precision": "bf16", "mini_batches": 1, "micro_batches": mode}
+        train = {"precision": precision, "mini_batches": 1, "micro_batches": mode}
         metrics = run_learner(tmp, model, 1, "int8", 1 + steps, workload, threads, train=train)
         row = {
             "part": "micro",
             "micro_batches": mode,
-            "precision": "bf16",
+            "precision": precision,
             "prompts": workload[0],
             "samples": workload[1],
             "prompt_len": list(workload[2]),
@@ -228,14 +231,15 @@ def micro_rows(model: str, steps: int, threads: int, tmp: str) -> list[dict]:
     padded, bucketed = rows
     bucketed["speedup_over_padded"] = padded["train_s"] / bucketed["train_s"]
     # the roofline: 6 N FLOPs per processed token (forward 2 N, backward 4 N; with one update per step the proximal
-    # log-probs come from the same forward) against the bf16 matmul rate at the model's MLP shape, measured here in
+    # log-probs come from the same forward) against the matmul rate in the step's precision at the model's MLP shape,
+    # measured here in
     # the same run; the lm_head chunks recomputed in backward (learner/logprobs.py) are not counted as useful
     cfg = AutoConfig.from_pretrained(model)
     params = sum(t.numel() for t in AutoModelForCausalLM.from_config(cfg).parameters())
-    peak = matmul_flops(cfg.hidden_size, cfg.intermediate_size)
+    peak = matmul_flops(cfg.hidden_size, cfg.intermediate_size, DTYPES[precision])
     for row in rows:
         row["model_params"] = params
-        row["bf16_matmul_flops"] = round(peak)
+        row["matmul_flops"] = round(peak)
         row["achieved_flops"] = round(6 * params * row["padded_tokens"] / row["train_s"])
         row["share_of_matmul_roofline"] = round(row["achieved_flops"] / peak, 3)
     return rows
@@ -253,8 +257,8 @@ PROFILE_KINDS = (
 )
 
 
-def profile_rows(model: str, threads: int) -> list[dict]:
-    """One profiled bf16 learner step of the micro part's shape, self CPU time by kind and the top operators."""
+def profile_rows(model: str, threads: int, precision: str) -> list[dict]:
+    """One profiled learner step of the micro part's shape, self CPU time by kind and the top operators."""
     import socket
 
     import torch.distributed as dist
@@ -273,7 +277,7 @@ def profile_rows(model: str, threads: int) -> list[dict]:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         cfg = load_config(
             os.path.join(root, "configs", "smollm2-gym-cpu.yaml"),
-            [f"model.path={model}", "data.eval_files=[]", "train.precision=bf16", "train.mini_batches=1"],
+            [f"model.path={model}", "data.eval_files=[]", f"train.precision={precision}", "train.mini_batches=1"],
             check_paths=False,
         )
         torch.manual_seed(0)
@@ -308,7 +312,7 @@ def profile_rows(model: str, threads: int) -> list[dict]:
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
     row = {
         "part": "profile",
-        "precision": "bf16",
+        "precision": precision,
         "threads": threads,
         "step_s": round(seconds, 2),
         "padded_tokens": result.metrics.get("actor/padded_tokens"),
@@ -319,9 +323,9 @@ def profile_rows(model: str, threads: int) -> list[dict]:
     return [row]
 
 
-def matmul_flops(hidden: int, inter: int, tokens: int = 4096, repeats: int = 7) -> float:
-    """bf16 FLOP/s of one [tokens, hidden] x [hidden, inter] matmul, the learner's MLP shape (median)."""
-    a, b = torch.randn(tokens, hidden, dtype=torch.bfloat16), torch.randn(hidden, inter, dtype=torch.bfloat16)
+def matmul_flops(hidden: int, inter: int, dtype: torch.dtype, tokens: int = 4096, repeats: int = 7) -> float:
+    """FLOP/s of one [tokens, hidden] x [hidden, inter] matmul in dtype, the learner's MLP shape (median)."""
+    a, b = torch.randn(tokens, hidden, dtype=dtype), torch.randn(hidden, inter, dtype=dtype)
     a @ b
     times = []
     for _ in range(repeats):
@@ -361,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default=",".join(DECODE_FORMATS), help="decode formats (comma-separated)")
     ap.add_argument("--steps", type=int, default=2, help="measured learner steps per precision")
     ap.add_argument("--pushes", type=int, default=3)
+    ap.add_argument("--precision", default="auto", choices=("auto", *DTYPES), help="micro and profile parts")
     ap.add_argument("--sync-lr", type=float, default=RECIPE_LR, help="the sync part's AdamW learning rate")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -372,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"--formats: unknown format {bad[0]!r}; allowed: {', '.join(DECODE_FORMATS)}")
     torch.set_num_threads(args.threads)
+    precision = args.precision if args.precision != "auto" else "bf16" if native_bf16(torch.device("cpu")) else "fp32"
     model, gsm = real_paths()
     prompts = real_prompts(model, gsm, args.prompts)
     rows: list[dict] = []
@@ -384,9 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         if "learner" in parts:
             rows += learner_rows(model, args.steps, args.threads, tmp)
         if "micro" in parts:
-            rows += micro_rows(model, args.steps, args.threads, tmp)
+            rows += micro_rows(model, args.steps, args.threads, tmp, precision)
         if "profile" in parts:
-            rows += profile_rows(model, args.threads)
+            rows += profile_rows(model, args.threads, precision)
         if "sync" in parts:
             rows += sync_rows(model, gsm, args.pushes, args.threads, args.sync_lr)
     emit(
