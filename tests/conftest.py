@@ -132,7 +132,7 @@ def weight_hub():
     plane = ControlPlane(
         transport.Receiver(router, secret=b"k", max_bytes=1 << 20, kinds=("status",)),
         transport.Sender(router, "learner", secret=b"k"),
-        Budget(0, 1, lambda published: (0, 0, {})),
+        Budget(0, 1, lambda version: (0, 0, {})),
         servers,
         sync,
     )

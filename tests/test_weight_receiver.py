@@ -93,7 +93,7 @@ def test_corrupted_delta_and_missed_version_heal_through_a_full_push(demo_dir, t
     plane = ControlPlane(
         transport.Receiver(router, secret=None, max_bytes=1 << 20),
         transport.Sender(router, "learner"),
-        Budget(0, 1, lambda published: (0, 0, {})),
+        Budget(0, 1, lambda version: (0, 0, {})),
         servers,
         sync,
     )

@@ -48,8 +48,6 @@ def test_synchronous_mode_is_on_policy(demo_dir, tmp_path):
     assert code == 0, out
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss/policy" in r]
     assert len(rows) == 3 and all(r["staleness/max"] == 0 for r in rows)
-    books = json.loads((run_dir / "summary.json").read_text())["books"]
-    assert books["dropped_stale"] == 0, books  # the server idles while the learner trains: nothing made to be dropped
 
 
 @pytest.mark.parametrize(
