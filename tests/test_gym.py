@@ -38,7 +38,7 @@ def test_train_and_heldout_share_no_question_and_are_deterministic() -> None:
     # one-digit sums have ~200 distinct questions: the held-out ones really recur in the train seed's draws
     assert not set(questions(train)) & set(questions(held))
     assert {r["data_source"] for r in train} == {"reasoning_gym/basic_arithmetic", "reasoning_gym/chain_sum"}
-    assert all(r["prompt"][-1]["content"].endswith(gym.INSTRUCTION) for r in train + held)
+    assert all(r["prompt"][0] == {"role": "system", "content": gym.INSTRUCTION} for r in train + held)
     for rows in (train[:20], held[:20]):  # tasks interleaved: a dev slice or eval.max_problems mixes them
         assert {r["data_source"] for r in rows} == {"reasoning_gym/basic_arithmetic", "reasoning_gym/chain_sum"}
     again, held_again = gym.generate(SMALL)

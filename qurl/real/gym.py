@@ -10,8 +10,9 @@ A recipe (YAML, e.g. ``configs/tasks/gym-arith.yaml``)::
 
 Train and held-out problems of task k come from ``create_dataset`` with the seeds ``4 * seed + 2k`` and
 ``4 * seed + 2k + 1`` (never equal), and any train problem whose question text is also a held-out question
-is dropped, so no held-out problem is ever trained on. Rows are verl-style: the question plus ``INSTRUCTION``
-as one user turn, ``data_source`` ``reasoning_gym/<task>``, and as ground truth the JSON of
+is dropped, so no held-out problem is ever trained on. Rows are verl-style: ``INSTRUCTION`` as the system turn
+(replacing the chat template's default system prompt, 18 of SmolLM2's 54 prompt tokens) and the question as the user
+turn, ``data_source`` ``reasoning_gym/<task>``, and as ground truth the JSON of
 ``{"task", "entry"}``, which the ``gym`` reward (``qurl/rewards.py``) hands to the dataset's own ``score_answer``.
 """
 
@@ -142,9 +143,10 @@ def generate(recipe: GymRecipe) -> tuple[list[dict], list[dict]]:
 
 
 def row(task: str, entry: dict) -> dict:
-    """One verl-style row: the question and the instruction as a user turn; the whole entry as ground truth."""
+    """One verl-style row: the instruction as the system turn, the question as the user turn; the whole entry as
+    ground truth."""
     return {
-        "prompt": [{"role": "user", "content": f"{entry['question'].rstrip()}\n\n{INSTRUCTION}"}],
+        "prompt": [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": entry["question"].rstrip()}],
         "reward_model": {"ground_truth": json.dumps({"task": task, "entry": entry}, sort_keys=True)},
         "data_source": f"reasoning_gym/{task}",
     }

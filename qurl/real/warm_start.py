@@ -55,7 +55,7 @@ def sft_tensors(tokenizer: Any, rows: list[dict]) -> tuple[Any, Any, Any]:
 def response_loss(model: Any, ids: Any, labels: Any) -> Any:
     """Mean next-token cross-entropy over the labelled positions, the head applied to those positions alone.
 
-    The prompt is ~5x the response here, and the 49k-word head is a fifth of the model's FLOPs per position.
+    The prompt is ~4x the response here, and the 49k-word head is a fifth of the model's FLOPs per position.
     """
     import torch
 
