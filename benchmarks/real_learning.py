@@ -38,7 +38,7 @@ CONFIGS: dict[str, list[str]] = {
     "int8-acr-s1.5": [],  # the recipe itself: INT8 W8A8 rollout, ACR, invariant scaling s = 1.5
     "bf16": ["rollout.quant=none", "rollout.dtype=bfloat16", *NO_SCALING],
     "int8-ppo": ["algo.loss=ppo", *NO_SCALING],  # naive: no correction for the mismatch
-    "int8-acr-s1.5-ds": ["algo.dynamic_sampling=true"],  # the recipe training only on groups with mixed rewards (DAPO)
+    "int8-acr-s1.5-all": ["algo.dynamic_sampling=false"],  # the recipe training on every group, mixed or not
     "fp32": ["rollout.quant=none", "rollout.dtype=float32", *NO_SCALING],  # full precision where bf16 is emulated
     # issue 32's comparison of the corrections (docs/algorithms.md), INT8 rollout, then 4-bit weights
     "int8-tis": ["algo.loss=tis", *NO_SCALING],
