@@ -48,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import OWN, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
+from learner.model import bf16_training  # noqa: E402
 from qurl.data import PromptDataset  # noqa: E402
-from qurl.hardware import native_bf16  # noqa: E402
 from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
 from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
@@ -232,8 +232,7 @@ def micro_rows(model: str, steps: int, threads: int, tmp: str, precision: str) -
     bucketed["speedup_over_padded"] = padded["train_s"] / bucketed["train_s"]
     # the roofline: 6 N FLOPs per processed token (forward 2 N, backward 4 N; with one update per step the proximal
     # log-probs come from the same forward) against the matmul rate in the step's precision at the model's MLP shape,
-    # measured here in
-    # the same run; the lm_head chunks recomputed in backward (learner/logprobs.py) are not counted as useful
+    # measured here in the same run; the lm_head chunks recomputed in backward (learner/logprobs.py) are not counted
     cfg = AutoConfig.from_pretrained(model)
     params = sum(t.numel() for t in AutoModelForCausalLM.from_config(cfg).parameters())
     peak = matmul_flops(cfg.hidden_size, cfg.intermediate_size, DTYPES[precision])
@@ -377,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"--formats: unknown format {bad[0]!r}; allowed: {', '.join(DECODE_FORMATS)}")
     torch.set_num_threads(args.threads)
-    precision = args.precision if args.precision != "auto" else "bf16" if native_bf16(torch.device("cpu")) else "fp32"
+    precision = "bf16" if bf16_training(args.precision, torch.device("cpu")) else "fp32"  # the learner's own rule
     model, gsm = real_paths()
     prompts = real_prompts(model, gsm, args.prompts)
     rows: list[dict] = []
