@@ -332,7 +332,9 @@ def _record_wall(run: Run, wall_s: float) -> None:
 
 
 def read_run(run: Run) -> dict:
-    """One result row: identity, accuracies from summary.json, total wall, and per-step curves from metrics.jsonl."""
+    """One result row: identity, accuracies from summary.json, total wall, and per-step curves from metrics.jsonl.
+
+    A run stopped before it wrote summary.json counts up to its last logged learner step (ok stays False)."""
     rows = read_metrics(os.path.join(run.dir, "metrics.jsonl"))
     train = [r for r in rows if "loss/policy" in r]
     summary = _json(os.path.join(run.dir, "summary.json")) or {}
@@ -340,7 +342,7 @@ def read_run(run: Run) -> dict:
     return {
         "config": run.name,
         "seed": run.seed,
-        "steps": summary.get("steps", 0),
+        "steps": summary.get("steps", max((r["step"] for r in train), default=0)),
         "ok": state(run) == "done",
         "final_acc": summary.get("eval/acc_fp/final"),
         "best_acc": summary.get("eval/acc_fp/best"),

@@ -113,8 +113,10 @@ def test_run_state_and_settings_guard(tmp_path):
     run = demo_runs.Run("int8-acr", 0, ["rollout.quant=int8"], 5, str(tmp_path / "r"))
     assert demo_runs.state(run) == "new"
     demo_runs._claim(run)
-    (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 1, "loss/policy": 0.1}\n')
+    (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 1, "loss/policy": 0.1}\n{"step": 2, "loss/policy": 0.1}\n')
     assert demo_runs.state(run) == "resume"
+    stopped = demo_runs.read_run(run)  # stopped before summary.json: reported up to its last step, not as done
+    assert stopped["steps"] == 2 and not stopped["ok"] and stopped["curves"]["step"] == [1, 2]
     (tmp_path / "r" / "summary.json").write_text(json.dumps({"steps": 3, "exit_code": 0}))
     assert demo_runs.state(run) == "resume"  # finished fewer steps than asked: continue it
     (tmp_path / "r" / "summary.json").write_text(json.dumps({"steps": 5, "exit_code": 0}))
