@@ -6,8 +6,9 @@ run whole (never in segments, so wall-clock curves hold no restarts) and one at 
 A finished run is skipped on a rerun; --report only rewrites the outputs from the run folders.
 
 Writes OUT/real-learning.json (per run: reward per step, both held-out accuracies per weights version, each
-against learner step and against wall-clock seconds since the first step; per config: means and spread over
-seeds, and the seconds to reach --target-acc) and OUT/real-learning.png, and prints the JSON without curves.
+against learner step and against wall-clock seconds since the learner first waited for rollouts; per config: means
+and spread over seeds, and the seconds to reach --target-acc) and OUT/real-learning.png, and prints the JSON
+without curves.
 
     python benchmarks/real_learning.py [--configs int8-acr-s1.5 bf16 int8-ppo] [--seeds 0 1] [--steps 100]
                                        [--target-acc 0.45] [--report] [--out results]
@@ -62,9 +63,11 @@ QUIET = ["log.tensorboard=false", "checkpoint.every=0", "checkpoint.keep=1"]
 
 
 def clock(run_dir: str) -> dict[int, float]:
-    """Seconds from the start of the first learner step to the end of each step (the sum of time/step_s)."""
+    """Seconds from the learner's first wait for rollouts to the end of each step: the sum of time/wait_s and
+    time/step_s, so the time a faster rollout saves (the learner's wait) is on the clock."""
     rows = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss/policy" in r]
-    return dict(zip((r["step"] for r in rows), accumulate(r.get("time/step_s") or 0.0 for r in rows)))
+    spent = ((r.get("time/wait_s") or 0.0) + (r.get("time/step_s") or 0.0) for r in rows)
+    return dict(zip((r["step"] for r in rows), accumulate(spent)))
 
 
 def with_time(points: list[list[float]], seconds: dict[int, float]) -> list[list[float]]:

@@ -126,6 +126,15 @@ def test_run_state_and_settings_guard(tmp_path):
         demo_runs._claim(other)
 
 
+def test_real_learning_clock_counts_the_wait_for_rollouts(tmp_path):
+    import real_learning
+
+    rows = [{"step": 1, "loss/policy": 0.1, "time/wait_s": 90.0, "time/step_s": 30.0}, {"step": 1, "eval/acc_fp": 0.5}]
+    rows.append({"step": 2, "loss/policy": 0.1, "time/wait_s": 5.0, "time/step_s": 25.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert real_learning.clock(str(tmp_path)) == {1: 120.0, 2: 150.0}
+
+
 def test_rounds_advance_the_run_furthest_behind_to_common_segment_ends():
     done = {"a": 0, "b": 0, "c": 0}
     order = []
