@@ -190,6 +190,28 @@ def test_n_larger_than_max_batch_and_step_api(family_model):
     assert steps <= 20
 
 
+def test_one_step_prefills_a_bounded_number_of_prompt_tokens(family_model, monkeypatch):
+    from rollout_server.engines import torch_engine
+
+    _, path, _ = family_model
+    monkeypatch.setattr(torch_engine, "PREFILL_TOKENS_PER_STEP", 2 * len(PROMPTS[0]))
+    engine = load_engine(path, quant="none", device=DEVICE, max_batch=8, max_seq_len=64)
+    long = GenRequest(list(PROMPTS[0]) * 3, max_new_tokens=4, temperature=0)
+    engine.add_request(long, "long")  # alone over the budget: admitted anyway
+    for i in range(5):
+        engine.add_request(GenRequest(PROMPTS[0], max_new_tokens=4, temperature=0), i)
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 5
+    engine.step()
+    assert engine.num_running == 3 and engine.num_waiting == 3  # two prompts fill the budget exactly
+    finished = {}
+    while engine.has_work():
+        finished.update({rid: s for rid, _, s in engine.step()})
+    alone = load_engine(path, quant="none", device=DEVICE, max_batch=8, max_seq_len=64)
+    (want,) = alone.generate([GenRequest(PROMPTS[0], max_new_tokens=4, temperature=0)])
+    assert len(finished) == 6 and all(finished[i].token_ids == want.samples[0].token_ids for i in range(5))
+
+
 def test_run_to_completion_calls_on_sample_once_per_finished_sample(family_model):
     _, path, _ = family_model
     engine = load_engine(path, quant="none", device=DEVICE, max_batch=2, max_seq_len=64)

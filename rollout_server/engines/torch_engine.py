@@ -21,6 +21,10 @@ from rollout_server.engines.model import ModelConfig, Transformer, load_safetens
 from rollout_server.engines.sampling import sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# Prompt tokens one step() may prefill (at least one prompt always goes in), as vLLM's max_num_batched_tokens: the
+# server loop beats its heartbeat between steps, and 64 queued eval prompts prefilled in one step took 53 s in fp32
+# on a shared core (AVX2 EPYC), past the learner's 30 s presumed-gone limit; 512 tokens are ~10 s there.
+PREFILL_TOKENS_PER_STEP = 512
 
 
 class _Seq:
@@ -149,18 +153,21 @@ class TorchEngine:
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Hashable, int, Completion]]:
-        """Admit waiting samples into free slots (prefill), then decode one token for every active sequence."""
+        """Admit waiting samples into free slots (prefill, up to PREFILL_TOKENS_PER_STEP prompt tokens), then decode
+        one token for every active sequence."""
         finished: list[tuple[Hashable, int, Completion]] = []
         done: list[tuple[int, str]] = []  # (slot, finish reason)
-        while self._waiting and len(self._active) < self.max_batch:
-            self._admit(done)
+        prefilled = 0
+        while self._waiting and len(self._active) < self.max_batch and prefilled < PREFILL_TOKENS_PER_STEP:
+            prefilled += self._admit(done)
         self._release(done, finished)
         if self._active:
             self._decode(done)
             self._release(done, finished)
         return finished
 
-    def _admit(self, done: list[tuple[int, str]]) -> None:
+    def _admit(self, done: list[tuple[int, str]]) -> int:
+        """Prefill the first waiting request into as many free slots as it has samples left; return its length."""
         entry = self._waiting[0]
         request_id, req, first = entry
         k = min(self.max_batch - len(self._active), req.n - first)
@@ -180,6 +187,7 @@ class TorchEngine:
         entry[2] += k
         if entry[2] == req.n:
             self._waiting.popleft()
+        return t
 
     def _decode(self, done: list[tuple[int, str]]) -> None:
         seqs = self._active
