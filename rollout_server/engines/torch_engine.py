@@ -22,8 +22,8 @@ from rollout_server.engines.sampling import sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # Prompt tokens one step() may prefill (at least one prompt always goes in), as vLLM's max_num_batched_tokens: the
-# server loop beats its heartbeat between steps, and 64 queued eval prompts prefilled in one step took 53 s in fp32
-# on a shared core (AVX2 EPYC), past the learner's 30 s presumed-gone limit; 512 tokens are ~10 s there.
+# server loop beats its heartbeat between steps, and 64 queued eval prompts prefilled in one step kept it silent past
+# the learner's 30 s presumed-gone limit in fp32 on a shared core (AVX2 EPYC; docs/RESULTS.md §11).
 PREFILL_TOKENS_PER_STEP = 512
 
 
