@@ -20,6 +20,9 @@ Parts (all by default, or a subset with --parts):
   achieved_flops = 6 N padded_tokens / train_s (one update per step: no separate proximal pass) against
   matmul_flops, a [4096, hidden] x [hidden, intermediate] matmul in that precision timed in the same run:
   share_of_matmul_roofline.
+- packed: the learner step with length-bucketed against prompt-packed micro-batches (learner/packing.py: each
+  group's prompt once), in --precision, at the gym recipe's shape (8 prompts x 8 samples, 35-50 prompt tokens,
+  8-12-token answers) and at the micro part's; the same batches for both modes.
 - profile: where a learner step's time goes (--precision), the micro part's batch shape on one gloo rank in this
   process (learner/policy_step.py's PolicyStep, the gym recipe's settings, bucketed micro-batches): torch.profiler's
   self CPU time grouped by kind (matmuls, attention, the log-softmax head, the optimizer, the rest), after one
@@ -27,8 +30,8 @@ Parts (all by default, or a subset with --parts):
 - sync: int8 codes changed per push and delta / full push bytes per engine dtype after AdamW steps at the
   recipe's learning rate (or --sync-lr), s = 1 and 1.5 (benchmarks/sync.py's run on GSM text).
 
-    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,profile,sync] [--threads 2] [--sync-lr LR]
-        [--precision auto|fp32|bf16] [--out FILE]
+    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,packed,profile,sync] [--threads 2]
+        [--sync-lr LR] [--precision auto|fp32|bf16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -55,7 +58,11 @@ from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the learner's train.precision -> its matmul dtype
-PARTS = ("mismatch", "decode", "learner", "micro", "profile", "sync")
+PARTS = ("mismatch", "decode", "learner", "micro", "packed", "profile", "sync")
+# prompts, samples, prompt tokens, response tokens (a range: drawn per prompt / per sample)
+MICRO_WORKLOAD = (2, 8, (190, 260), (16, 256))  # the pipeline benchmark's rollout-shaped batches
+GYM_WORKLOAD = (8, 8, (35, 50), (8, 12))  # configs/smollm2-gym-cpu.yaml: 8 x 8 samples, ~10-token answers
+PACKED_MODES = ("bucketed", "packed")
 RECIPE_LR = 1e-5  # configs/smollm2-gsm-cpu.yaml train.lr
 # (quant, model dtype, s, int8 lm_head): bf16 rollout's own mismatch, then INT8's with and without the int8 lm_head
 MISMATCH_FORMATS = (
@@ -204,16 +211,25 @@ def learner_rows(model: str, steps: int, threads: int, tmp: str) -> list[dict]:
     return rows
 
 
-def micro_rows(model: str, steps: int, threads: int, tmp: str, precision: str) -> list[dict]:
+def micro_rows(
+    model: str,
+    steps: int,
+    threads: int,
+    tmp: str,
+    precision: str,
+    workload: tuple = MICRO_WORKLOAD,
+    modes: tuple[str, ...] = ("padded", "bucketed"),
+    part: str = "micro",
+) -> list[dict]:
+    """One learner run per train.micro_batches mode on the same batches; each row's speedup over the first mode."""
     from learner_step import run_learner, summarize
 
-    workload = (2, 8, (190, 260), (16, 256))  # prompts, samples, prompt tokens, response tokens (drawn)
     rows = []
-    for mode in ("padded", "bucketed"):
+    for mode in modes:
         train = {"precision": precision, "mini_batches": 1, "micro_batches": mode}
         metrics = run_learner(tmp, model, 1, "int8", 1 + steps, workload, threads, train=train)
         row = {
-            "part": "micro",
+            "part": part,
             "micro_batches": mode,
             "precision": precision,
             "prompts": workload[0],
@@ -228,8 +244,8 @@ def micro_rows(model: str, steps: int, threads: int, tmp: str, precision: str) -
         row["train_s"] = row["step_s"] - row["push_s"]
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    padded, bucketed = rows
-    bucketed["speedup_over_padded"] = padded["train_s"] / bucketed["train_s"]
+    for row in rows[1:]:
+        row[f"speedup_over_{modes[0]}"] = rows[0]["train_s"] / row["train_s"]
     # the roofline: 6 N FLOPs per processed token (forward 2 N, backward 4 N; with one update per step the proximal
     # log-probs come from the same forward) against the matmul rate in the step's precision at the model's MLP shape,
     # measured here in the same run; the lm_head chunks recomputed in backward (learner/logprobs.py) are not counted
@@ -390,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
             rows += learner_rows(model, args.steps, args.threads, tmp)
         if "micro" in parts:
             rows += micro_rows(model, args.steps, args.threads, tmp, precision)
+        if "packed" in parts:
+            for workload in (GYM_WORKLOAD, MICRO_WORKLOAD):
+                rows += micro_rows(model, args.steps, args.threads, tmp, precision, workload, PACKED_MODES, "packed")
         if "profile" in parts:
             rows += profile_rows(model, args.threads, precision)
         if "sync" in parts:

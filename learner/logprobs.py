@@ -12,7 +12,9 @@ inside the root module's forward, with its parameters unsharded and the root's b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -118,18 +120,41 @@ def token_logprobs(
     """
     if start < 1:
         raise ValueError(f"token_logprobs needs start >= 1 (a token needs a prefix), got {start}")
-    head = model.get_output_embeddings()
     targets = input_ids[:, start:]
+    return head_logprobs(
+        model,
+        lambda hidden: hidden[:, :-1],  # the last T - start + 1 positions of the final norm, less the last
+        targets,
+        temperature,
+        entropy,
+        chunk_elements,
+        input_ids=input_ids,
+        logits_to_keep=targets.shape[1] + 1,
+    )
+
+
+def head_logprobs(
+    model: nn.Module,
+    select: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
+    **inputs: Any,
+) -> LogProbs:
+    """One forward of `model` on `inputs` whose lm_head is the chunked log-prob of `targets` at the hidden states
+    select(final hidden states) picks, one per target; it runs inside the model's forward, so FSDP2's hooks hold."""
+    head = model.get_output_embeddings()
     side: dict[str, torch.Tensor | None] = {}
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:  # the last T - start + 1 positions of the final norm
-        out = chunked_logprobs(hidden[:, :-1], head.weight, targets, temperature, entropy, chunk_elements)
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        out = chunked_logprobs(select(hidden), head.weight, targets, temperature, entropy, chunk_elements)
         side["entropy"] = out.entropy
         return out.logp  # the model returns it as .logits, so FSDP2's backward hooks see it
 
     head.forward = forward
     try:
-        logp = model(input_ids=input_ids, use_cache=False, logits_to_keep=targets.shape[1] + 1).logits
+        logp = model(use_cache=False, **inputs).logits
     finally:
         del head.forward
     return LogProbs(logp, side["entropy"])

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from learner.batch import Batch
 from learner.logprobs import token_logprobs
+from learner.packing import Packed, pack, packed_logprobs
 from qurl.algorithms import LossSpec, group_advantages, kept_tokens, kl_penalty, overlong_penalty, policy_loss
 from qurl.corrections.compose import pieces
 from qurl.corrections.metrics import Reducer
@@ -52,10 +53,16 @@ class MicroBatch:
     mask: torch.Tensor  # [n, T - start] response tokens
     behav_logp: torch.Tensor  # [n, T - start]
     advantages: torch.Tensor  # [n]
+    packed: Packed | None = None  # train.micro_batches=packed: the forward runs on these rows instead
 
     @property
     def tokens(self) -> int:
         return int(self.mask.sum())
+
+    @property
+    def forward_tokens(self) -> int:
+        """Padded tokens through the model: the packed rows' when packed."""
+        return (self.packed.input_ids if self.packed is not None else self.input_ids).numel()
 
 
 @dataclass
@@ -90,7 +97,8 @@ class PolicyStep:
         self.temperature = float(sampling.temperature)  # 0 (greedy) means unscaled logits
         self.max_new_tokens = sampling.max_new_tokens
         self.pad_id = pad_token_id(model.config)
-        self.bucketed = train.micro_batches == "bucketed"
+        self.planner = PLANNERS[train.micro_batches]
+        self.packed = train.micro_batches == "packed"
         self.head_weight = _head_weight(model)
         self.dropout_free = not getattr(model.config, "attention_dropout", 0.0) and all(
             m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout)
@@ -189,7 +197,7 @@ class PolicyStep:
                 "lr": lr,
                 "train/updates": applied,
                 "actor/tokens": float(totals[:, 0].sum()),
-                "actor/padded_tokens": sum(m.input_ids.numel() for mini in plan for m in mini),  # this rank's
+                "actor/padded_tokens": sum(m.forward_tokens for mini in plan for m in mini),  # this rank's
                 "actor/micro_batches": sum(len(mini) for mini in plan),
             }
         )
@@ -213,7 +221,11 @@ class PolicyStep:
 
     def _logprobs(self, model: nn.Module, m: MicroBatch, entropy: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probs of m's tokens under `model`; adds the entropy summed over m's response tokens to `entropy`."""
-        out = token_logprobs(model, m.input_ids, m.start, self.temperature, entropy=entropy is not None)
+        want = entropy is not None
+        if m.packed is not None:
+            out = packed_logprobs(model, m.packed, m.input_ids[:, m.start :], self.temperature, entropy=want)
+        else:
+            out = token_logprobs(model, m.input_ids, m.start, self.temperature, entropy=want)
         if entropy is not None:
             entropy += (out.entropy.detach() * m.mask).sum().double().cpu()
         return out.logp
@@ -238,10 +250,7 @@ class PolicyStep:
         rows_per_mini = [
             torch.nonzero(torch.isin(batch.group, torch.tensor_split(c, world)[rank])).flatten() for c in chunks
         ]
-        plan = [
-            _bucketed_rows(rows, batch, self.head_weight, budget) if self.bucketed else _micro_rows(rows, batch, budget)
-            for rows in rows_per_mini
-        ]
+        plan = [self.planner(rows, batch, self.head_weight, budget) for rows in rows_per_mini]
         counts = torch.tensor([len(p) for p in plan])
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         response_len = batch.total_len - batch.prompt_len
@@ -271,16 +280,22 @@ class PolicyStep:
         end, start = int(batch.total_len[rows].max()), int(batch.prompt_len[rows].min())
         pos = torch.arange(start, end)
         mask = (pos >= batch.prompt_len[rows, None]) & (pos < batch.total_len[rows, None])
+        packed = None
+        if self.packed:
+            ids = batch.input_ids[rows, :end]
+            p = pack(ids, batch.prompt_len[rows], batch.total_len[rows], batch.group[rows], start, self.pad_id)
+            packed = Packed(*(t.to(dev) for t in (p.input_ids, p.position_ids, p.allowed, p.source)))
         return MicroBatch(
             batch.input_ids[rows, :end].to(dev),
             start,
             mask.to(dev),
             batch.behav_logp[rows, start:end].to(dev),
             advantages[rows].to(dev),
+            packed,
         )
 
 
-def _micro_rows(rows: torch.Tensor, batch: Batch, budget: int) -> list[torch.Tensor]:
+def _micro_rows(rows: torch.Tensor, batch: Batch, head_weight: float, budget: int) -> list[torch.Tensor]:
     """Cut rows (in order) into runs whose padded size stays within `budget` tokens (at least one row each)."""
     out, current, longest = [], [], 0
     for r in rows.tolist():
@@ -301,14 +316,31 @@ def _bucketed_rows(rows: torch.Tensor, batch: Batch, head_weight: float, budget:
     Each row's log-probs do not depend on the rows beside it (right padding, causal mask) and the loss is a sum
     over rows normalised by the mini-batch's global totals, so any grouping gives the same step. The cost of a
     micro-batch is its padded tokens through the body, plus head_weight times its padded lm_head positions
-    (start..end), plus FORWARD_COST_TOKENS; contiguous runs of the sorted rows are chosen by dynamic programming
-    under `budget` padded tokens.
+    (start..end), plus FORWARD_COST_TOKENS.
     """
     order = sorted(rows.tolist(), key=lambda r: (int(batch.total_len[r]), int(batch.prompt_len[r])))
     total = [int(batch.total_len[r]) for r in order]
     prompt = [int(batch.prompt_len[r]) for r in order]
-    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
-    for j in range(len(order)):  # best[j + 1]: cheapest plan of order[: j + 1], its last run order[cut : j + 1]
+    return [torch.tensor(order[i:j]) for i, j in _cheapest_runs(total, prompt, head_weight, budget)]
+
+
+def _packed_rows(rows: torch.Tensor, batch: Batch, head_weight: float, budget: int) -> list[torch.Tensor]:
+    """Whole groups, each one packed row (learner/packing.py), sorted by that row's length and cut as bucketed rows
+    are (the head's positions are the unpacked rows' however the groups are cut, so only the body's tokens count)."""
+    groups = batch.group[rows]
+    members = [rows[groups == g] for g in dict.fromkeys(groups.tolist())]
+    length = [int(batch.prompt_len[m[0]]) * (1 - len(m)) + int(batch.total_len[m].sum()) for m in members]
+    order = sorted(range(len(members)), key=lambda k: length[k])
+    runs = _cheapest_runs([length[k] for k in order], [0] * len(order), 0.0, budget)
+    return [torch.cat([members[k] for k in order[i:j]]) for i, j in runs]
+
+
+def _cheapest_runs(total: list[int], prompt: list[int], head_weight: float, budget: int) -> list[tuple[int, int]]:
+    """Contiguous runs [i, j) of items sorted by length `total`, each costing n x (total[j - 1] + head_weight x
+    (total[j - 1] - its least prompt)) + FORWARD_COST_TOKENS, at least total cost by dynamic programming, each
+    within `budget` padded tokens (a longer item alone)."""
+    best, cut = [0.0] + [math.inf] * len(total), [0] * (len(total) + 1)
+    for j in range(len(total)):  # best[j + 1]: cheapest plan of items[: j + 1], its last run items[cut : j + 1]
         start = prompt[j]
         for i in range(j, -1, -1):
             n = j - i + 1
@@ -318,11 +350,15 @@ def _bucketed_rows(rows: torch.Tensor, batch: Batch, head_weight: float, budget:
             cost = best[i] + n * (total[j] + head_weight * (total[j] - start)) + FORWARD_COST_TOKENS
             if cost < best[j + 1]:
                 best[j + 1], cut[j + 1] = cost, i
-    out, j = [], len(order)
+    out, j = [], len(total)
     while j > 0:
-        out.append(torch.tensor(order[cut[j] : j]))
+        out.append((cut[j], j))
         j = cut[j]
     return out[::-1]
+
+
+# train.micro_batches: how a mini-batch's rows are cut into forwards (rows, batch, head weight, token budget)
+PLANNERS = {"padded": _micro_rows, "bucketed": _bucketed_rows, "packed": _packed_rows}
 
 
 def _head_weight(model: nn.Module) -> float:

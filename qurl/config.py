@@ -157,7 +157,9 @@ class TrainConfig:
     # one line naming train.lr): resuming would repeat it. 0: never stop for it
     max_skipped_steps: int = 5
     precision: str = "fp32"  # fp32 | bf16 (FSDP2 mixed precision, fp32 master weights) | auto: bf16 where native
-    micro_batches: str = "bucketed"  # bucketed: rows sorted by length, cut to least padding | padded: rows in order
+    # bucketed: rows sorted by length, cut to least padding | padded: rows in order | packed: one row per group, its
+    # prompt once (learner/packing.py; short answers)
+    micro_batches: str = "bucketed"
     # padded tokens per forward (a longer row gets a micro-batch of its own); bounds activation memory, never the
     # result. Per GPU at 7B, 4 FSDP2 ranks, checkpointed layers: 16384 on 80 GB and up, 8192 on 40-48 GB (README)
     micro_batch_tokens: int = 16384
@@ -257,7 +259,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "quant.fp8_granularity": ("block", "channel"),
     "train.lr_schedule": ("constant", "cosine"),
     "train.precision": ("fp32", "bf16", "auto"),
-    "train.micro_batches": ("bucketed", "padded"),
+    "train.micro_batches": ("bucketed", "padded", "packed"),  # = learner.policy_step.PLANNERS (test_packing checks)
     "log.level": ("debug", "info", "warning"),
     "sync.transport": ("zmq", "cuda-ipc", "nccl"),
     "eval.acc_fp": ("auto", "inline", "background", "none"),

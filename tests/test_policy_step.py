@@ -34,7 +34,8 @@ def gloo_one_rank():
 
 
 def random_batch(prompt_len: list[int], total_len: list[int], rewards: list[float], vocab: int, seed: int) -> Batch:
-    """Groups of two samples of random tokens, right padded to the longest row, random behaviour log-probs."""
+    """Groups of two samples (one prompt, two responses) of random tokens, right padded to the longest row, random
+    behaviour log-probs."""
     g = torch.Generator().manual_seed(seed)
     prompt, total = torch.tensor(prompt_len), torch.tensor(total_len)
     n, length = len(prompt_len), int(total.max())
@@ -42,6 +43,8 @@ def random_batch(prompt_len: list[int], total_len: list[int], rewards: list[floa
     for i in range(n):
         behav[i, prompt[i] : total[i]] = -torch.rand(int(total[i] - prompt[i]), generator=g) * 3
     ids = torch.randint(3, vocab, (n, length), generator=g)
+    for i in range(1, n, 2):
+        ids[i, : prompt[i]] = ids[i - 1, : prompt[i]]
     return Batch(ids, prompt, total, behav, torch.tensor(rewards), torch.arange(n) // 2)
 
 
@@ -70,7 +73,14 @@ def one_rank_policy(config: str, overrides: list[str]):
 MASKED = ["algo.loss=icepop", "algo.token_mask_low=3e-6", "algo.token_mask_high=1", "train.micro_batch_tokens=40"]
 
 
-@pytest.mark.parametrize("overrides", [[], MASKED], ids=["acr", "icepop-4-micro-batches"])
+PACKED = ["train.micro_batches=packed"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], MASKED, PACKED, [*MASKED, *PACKED]],
+    ids=["acr", "icepop-4-micro-batches", "packed", "packed-icepop-micro-batches"],
+)
 def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo_dir, overrides):
     from learner.model import load_hf
     from qurl.algorithms import LossSpec, group_advantages, policy_loss
@@ -112,8 +122,9 @@ def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo
     entropy = -(log_softmax.exp() * log_softmax).sum(-1).detach()
     spec = LossSpec.from_config(cfg.algo)
     loss, metrics = policy_loss(logp, logp.detach(), batch.behav_logp[:, start:end], advantages, mask, spec)
-    if overrides:
-        assert m["actor/micro_batches"] >= 4 and 0.2 < metrics["rollout_corr/rollout_rs_masked_fraction"] < 0.8
+    if MASKED[0] in overrides:
+        assert m["actor/micro_batches"] >= (2 if PACKED[0] in overrides else 4)
+        assert 0.2 < metrics["rollout_corr/rollout_rs_masked_fraction"] < 0.8
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.train.grad_clip).item()
     lr = cfg.train.lr / cfg.train.warmup_steps if cfg.train.warmup_steps else cfg.train.lr
@@ -135,17 +146,16 @@ def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo
 
 
 @pytest.mark.slow  # two SmolLM2 learner steps, 1-3 minutes: the default suite stays under 10 minutes
-def test_bucketed_micro_batches_take_the_padded_step(gloo_one_rank, real_dir):
-    """Length-bucketed micro-batches on SmolLM2-135M: the same log-probs, loss, metrics and update as one padded
-    micro-batch, with less padding."""
-    from learner.logprobs import token_logprobs
-    from learner.policy_step import _bucketed_rows, _micro_rows
+def test_bucketed_and_packed_micro_batches_take_the_padded_step(gloo_one_rank, real_dir):
+    """Length-bucketed and prompt-packed micro-batches on SmolLM2-135M: the same log-probs, loss, metrics and update
+    as one padded micro-batch, with less padding."""
+    from learner.policy_step import PLANNERS
 
     prompt = [30, 30, 40, 40, 200, 200, 210, 210]
     response = [12, 40, 25, 8, 150, 190, 170, 120]
     batch = random_batch(prompt, [p + r for p, r in zip(prompt, response)], [1.0, 0.0, 0.5, 0.0] * 2, 40000, 1)
     steps = {}
-    for mode in ("padded", "bucketed"):
+    for mode in ("padded", "bucketed", "packed"):
         cfg, policy = one_rank_policy(
             "smollm2-gsm-cpu.yaml",
             [
@@ -157,27 +167,24 @@ def test_bucketed_micro_batches_take_the_padded_step(gloo_one_rank, real_dir):
             ],
         )
         every = torch.arange(len(batch.rewards))
-        budget = cfg.train.micro_batch_tokens
-        if mode == "bucketed":
-            cuts = _bucketed_rows(every, batch, policy.head_weight, budget)
-        else:
-            cuts = _micro_rows(every, batch, budget)
+        cuts = PLANNERS[mode](every, batch, policy.head_weight, cfg.train.micro_batch_tokens)
         rows = {}
         with torch.no_grad():
             for cut in cuts:
                 m = policy._micro(batch, torch.zeros(len(every)), cut)
-                logp = token_logprobs(policy.model, m.input_ids, m.start, 1.0).logp
+                logp = policy._logprobs(policy.model, m)
                 rows.update((r, logp[k][m.mask[k]]) for k, r in enumerate(cut.tolist()))
         result = policy.step(batch, step=0)
         steps[mode] = (cuts, rows, result.metrics, {k: v.full_tensor() for k, v in policy.model.state_dict().items()})
-    padded, bucketed = steps["padded"], steps["bucketed"]
-    assert len(padded[0]) == 1 and len(bucketed[0]) > 1
-    padded_tokens = [len(c) * int(batch.total_len[c].max()) for c in (*padded[0], *bucketed[0])]
-    assert sum(padded_tokens[1:]) < padded_tokens[0]
-    for r in range(len(batch.rewards)):
-        assert len(padded[1][r]) == int(batch.total_len[r] - batch.prompt_len[r])
-        torch.testing.assert_close(bucketed[1][r], padded[1][r], rtol=0, atol=2e-5)
-    for key in ("loss/policy", "actor/grad_norm", "actor/tokens", "mismatch/kl_k3", "mismatch/rho_max"):
-        assert bucketed[2][key] == pytest.approx(padded[2][key], rel=1e-5, abs=1e-7), key
-    for name, value in padded[3].items():
-        torch.testing.assert_close(bucketed[3][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    padded = steps["padded"]
+    assert len(padded[0]) == 1 and len(steps["bucketed"][0]) > 1
+    forward_tokens = {mode: result[2]["actor/padded_tokens"] for mode, result in steps.items()}
+    assert forward_tokens["packed"] < forward_tokens["bucketed"] < forward_tokens["padded"]
+    for mode in ("bucketed", "packed"):
+        for r in range(len(batch.rewards)):
+            assert len(padded[1][r]) == int(batch.total_len[r] - batch.prompt_len[r])
+            torch.testing.assert_close(steps[mode][1][r], padded[1][r], rtol=0, atol=2e-5)
+        for key in ("loss/policy", "actor/grad_norm", "actor/tokens", "mismatch/kl_k3", "mismatch/rho_max"):
+            assert steps[mode][2][key] == pytest.approx(padded[2][key], rel=1e-5, abs=1e-7), (mode, key)
+        for name, value in padded[3].items():
+            torch.testing.assert_close(steps[mode][3][name], value, rtol=1e-5, atol=1e-6, msg=(mode, name))
