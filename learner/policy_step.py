@@ -280,13 +280,12 @@ class PolicyStep:
         end, start = int(batch.total_len[rows].max()), int(batch.prompt_len[rows].min())
         pos = torch.arange(start, end)
         mask = (pos >= batch.prompt_len[rows, None]) & (pos < batch.total_len[rows, None])
-        packed = None
+        ids, packed = batch.input_ids[rows, :end], None
         if self.packed:
-            ids = batch.input_ids[rows, :end]
             p = pack(ids, batch.prompt_len[rows], batch.total_len[rows], batch.group[rows], start, self.pad_id)
             packed = Packed(*(t.to(dev) for t in (p.input_ids, p.position_ids, p.allowed, p.source)))
         return MicroBatch(
-            batch.input_ids[rows, :end].to(dev),
+            ids.to(dev),
             start,
             mask.to(dev),
             batch.behav_logp[rows, start:end].to(dev),
