@@ -285,7 +285,11 @@ BUILTIN: dict[str, Builtin] = {
     "arith": Builtin(arith_reward, arith_final_answer, "an integer on the last line or in \\boxed{}"),
     "gym": Builtin(gym_reward, gym_final_answer, "<answer>X</answer>", ("reasoning_gym",)),
 }
-MATH_VERIFY = tuple(n for n, b in BUILTIN.items() if "math_verify" in b.preload)  # warmed up once per worker
+
+
+def verifier_modules(name: str) -> tuple[str, ...]:
+    """The modules a reward's workers import before taking items: the built-in's own, math_verify for a custom one."""
+    return BUILTIN[name].preload if name in BUILTIN else ("math_verify",)
 
 
 def resolve_reward_fn(name: str) -> Callable[[str, str], float]:
@@ -325,7 +329,11 @@ def _worker_main(conn: mpc.Connection, lifeline: mpc.Connection, name: str) -> N
     try:
         fn = resolve_reward_fn(name)
         extract = BUILTIN[name].final_answer if name in BUILTIN else None
-        if name in MATH_VERIFY:  # the first check in a process takes ~0.2 s (parser warm-up): not on an item's clock
+        # Imported and warmed here, not on an item's clock: the shared fork server preloads only what the
+        # process's first pool asked for, and math_verify's first check takes ~0.2 s (parser set-up).
+        for module in verifier_modules(name):
+            importlib.import_module(module)
+        if "math_verify" in verifier_modules(name):
             math_reward("\\boxed{\\frac{1}{2}}", "0.5")
     except BaseException as e:  # noqa: BLE001  (report any import failure to the parent)
         _send(conn, ["fatal", f"{type(e).__name__}: {e}"])
@@ -398,8 +406,7 @@ class RewardPool:
         if start_method == "forkserver":
             # Workers fork from a server that has these imported (math_verify takes ~1 s), so a
             # replacement is ready quickly. The fork server is shared: the first pool sets this.
-            verifier = list(BUILTIN[name].preload) if name in BUILTIN else ["math_verify"]
-            self._ctx.set_forkserver_preload(["qurl.rewards", *verifier])
+            self._ctx.set_forkserver_preload(["qurl.rewards", *verifier_modules(name)])
         self.counters = {
             "reward/scored": 0,
             "reward/no_answer": 0,

@@ -64,3 +64,10 @@ def mostly_broken(response: str, answer: str) -> float:
     if key == 1:
         return "1.0"  # type: ignore[return-value]
     return arith_reward(response, answer)
+
+
+def imported(response: str, answer: str) -> float:
+    """1 where the module the answer names was imported before this call (a worker's verifier modules)."""
+    import sys
+
+    return float(answer in sys.modules)

@@ -255,6 +255,15 @@ def test_spawn_pool_builtin_math() -> None:
     assert p.metrics()["reward/no_answer"] == 1
 
 
+def test_workers_import_their_verifier_before_taking_items() -> None:
+    """Not on an item's clock: the shared fork server preloads only what the process's first pool named."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    with RewardPool("reward_fns:imported", workers=1, timeout_s=30.0, start_method="spawn") as p:
+        res = p.score([("", "math_verify"), ("", "reasoning_gym")])
+    assert [r.reward for r in res] == [1.0, 0.0]  # a custom verifier gets math_verify, and nothing it did not ask for
+
+
 @pytest.mark.parametrize(
     "response, reward",
     [
