@@ -59,6 +59,10 @@ CONFIGS: dict[str, list[str]] = {
     },
 }
 STEPS = 100
+MISMATCH_PANELS = (  # per-step curves summed into each mismatch panel of the plot
+    ("mismatch/kl_k3",),
+    ("rollout_corr/rollout_is_ratio_fraction_high", "rollout_corr/rollout_rs_masked_fraction"),
+)
 QUIET = ["log.tensorboard=false", "checkpoint.every=0", "checkpoint.keep=1"]
 
 
@@ -131,14 +135,15 @@ def _avg(values: list) -> float | None:
 
 
 def plot(rows: list[dict], path: str, target: float) -> None:
-    """Reward against step; each held-out accuracy against step and against wall-clock minutes."""
+    """Reward against step; each held-out accuracy against step and against wall-clock minutes; the mismatch."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    fig, axes = plt.subplots(1, 5, figsize=(30, 5), constrained_layout=True)
+    fig, grid = plt.subplots(2, 4, figsize=(24, 10), constrained_layout=True)
+    axes = list(grid.flat)
     for r in rows:
         color, style = f"C{configs.index(r['config'])}", ["-", "--", ":"][r["seed"] % 3]
         label = f"{r['config']} seed {r['seed']}"
@@ -150,19 +155,27 @@ def plot(rows: list[dict], path: str, target: float) -> None:
             if pts:
                 axes[1 + 2 * i].plot([p[0] for p in pts], [p[2] for p in pts], style + "o", color=color, label=label)
                 axes[2 + 2 * i].plot([p[1] / 60 for p in pts], [p[2] for p in pts], style + "o", color=color)
+        for ax, keys in zip(axes[5:], MISMATCH_PANELS):
+            per_step = [sum(v or 0.0 for v in vals) for vals in zip(*(r["curves"].get(k) or [] for k in keys))]
+            if per_step:
+                ax.plot(steps[: len(per_step)], per_step, style, color=color)
     titles = [
         "train reward (trailing mean of 10 steps)",
         "held-out greedy accuracy, learner (fp32 weights) vs step",
         "the same vs wall-clock minutes of RL",
         "held-out greedy accuracy, rollout engine vs step",
         "the same vs wall-clock minutes of RL",
+        "mismatch: per-token k3 KL, rollout engine to learner",
+        "fraction of tokens truncated (IS weight > C) or masked",
     ]
     for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    for ax in axes[1:]:
+    for ax in axes[1:5]:
         ax.axhline(target, color="grey", lw=0.8)
-    axes[0].legend(fontsize=8)
+    axes[5].set_yscale("log")
+    axes[7].axis("off")
+    axes[7].legend(*axes[0].get_legend_handles_labels(), loc="center", fontsize=9)
     fig.suptitle(
         "SmolLM2-135M on reasoning-gym arithmetic after a warm start, per rollout format and correction (2-core CPU)"
     )
