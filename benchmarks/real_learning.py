@@ -156,9 +156,8 @@ def plot(rows: list[dict], path: str, target: float) -> None:
                 axes[1 + 2 * i].plot([p[0] for p in pts], [p[2] for p in pts], style + "o", color=color, label=label)
                 axes[2 + 2 * i].plot([p[1] / 60 for p in pts], [p[2] for p in pts], style + "o", color=color)
         for ax, keys in zip(axes[5:], MISMATCH_PANELS):
-            per_step = [sum(v or 0.0 for v in vals) for vals in zip(*(r["curves"].get(k) or [] for k in keys))]
-            if per_step:
-                ax.plot(steps[: len(per_step)], per_step, style, color=color)
+            per_step = [sum(v or 0.0 for v in vals) for vals in zip(*(r["curves"][k] for k in keys))]
+            ax.plot(steps, per_step, style, color=color)
     titles = [
         "train reward (trailing mean of 10 steps)",
         "held-out greedy accuracy, learner (fp32 weights) vs step",

@@ -7,9 +7,8 @@ log-prob is then the unpacked one within rounding, and its gradient too: the pro
 predicts every response's first token, takes the sum of their gradients.
 
 It pays where prompts are long against answers: the gym recipe's 35-50 prompt tokens, ~10 answer tokens and 8
-samples are 3.8x fewer tokens per step
-(docs/RESULTS.md §11). The mask grows as L^2 per row (L = P + n x answer length), so answers of
-thousands of tokens stay bucketed.
+samples are 3.8x fewer tokens per step (docs/RESULTS.md §11). The mask grows as L^2 per row (L = P + n x answer
+length), so answers of thousands of tokens stay bucketed.
 """
 
 from __future__ import annotations
