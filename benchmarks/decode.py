@@ -178,7 +178,8 @@ GEMM_SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 5
 
 def gemm_rows(shapes: dict, rows: list[int], reps: int) -> list[dict]:
     """The kernels' int8 GEMM against oneDNN's qlinear (what Int8Linear runs without it) at decode row counts, fp32
-    activations, one Int8Linear switched between the two, medians of 5 timings of `reps` calls."""
+    activations, one Int8Linear switched between the two, medians of 5 timings of `reps` calls. The kernel is timed
+    even on an AMX CPU, where the engine keeps oneDNN (cpu_kernels.int8_gemm_kernels), so the choice can be checked."""
     from qurl.quant import quantize_int8
     from rollout_server.engines.linear import Int8Linear
 
@@ -196,7 +197,8 @@ def gemm_rows(shapes: dict, rows: list[int], reps: int) -> list[dict]:
     for name, (n, k) in shapes.items():
         codes, scale = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), dim=-1)
         lin = Int8Linear(["w"], {"w.weight": codes, "w.weight_scale": scale}, torch.float32, torch.device("cpu"))
-        kernel = lin._gemm
+        kernel = lin._gemm = cpu_kernels.kernels()  # the kernel even where the engine declines it (AMX)
+        lin.repack()
         for m in rows:
             x = torch.randn(m, k)
             lin._gemm = kernel
@@ -238,9 +240,10 @@ def main(argv: list[str] | None = None) -> dict:
     if cpu_kernels.kernels() is None:
         raise SystemExit("decode.py: the CPU kernels did not build (see the warning); nothing to compare")
     if args.gemm:
-        if cpu_kernels.int8_gemm_kernels() is None:
+        if not cpu_kernels.kernels().int8_gemm:
             raise SystemExit("decode.py --gemm: the CPU kernels have no int8 GEMM for this CPU")
         gemm = {"benchmark": "decode-gemm", "machine": machine_info(), "int8_gemm": cpu_kernels.kernels().int8_gemm}
+        gemm["engine_takes_kernel"] = cpu_kernels.int8_gemm_kernels() is not None
         gemm["rows"] = gemm_rows(GEMM_SHAPES, [1, 16, 32, 64, 128, 256], 5)
         emit(gemm, args.out)
         return gemm

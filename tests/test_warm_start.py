@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -84,6 +85,17 @@ def test_warm_start_learns_saves_and_reports(tiny_dir: Path, tmp_path: Path) -> 
     with torch.no_grad():
         assert response_loss(after, ids, labels) < 0.7 * response_loss(before, ids, labels)
     json.dumps(info)  # what gym.json stores
+
+
+def test_warm_start_checks_every_step_once_close_to_the_target(tiny_dir: Path, tmp_path: Path) -> None:
+    rows, held = gym.generate(RECIPE)
+
+    def checked_at(ws: WarmStart) -> list[int]:
+        return [h[0] for h in train(tiny_dir, tmp_path / "warm", rows, held, ws, progress=False)["history"]]
+
+    far = WarmStart(max_steps=4, batch=8, eval_every=15, dev_size=8, target_acc=1.1, close_margin=0.0)
+    assert checked_at(far) == [0, 4]
+    assert checked_at(dataclasses.replace(far, close_margin=1.1)) == [0, 1, 2, 3, 4]  # any accuracy is within 1.1
 
 
 def test_warm_start_stops_at_once_when_the_model_already_reaches_the_target(tiny_dir: Path, tmp_path: Path) -> None:

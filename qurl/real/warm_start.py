@@ -4,8 +4,9 @@ The bare SmolLM2-135M-Instruct almost never writes ``<answer>`` tags and solves 
 two-term sums, so nearly every GRPO group has zero advantage. As the demo does, and as reasoning RL recipes
 do before RL, a few minutes of supervised training on the recipe's solutions (for these tasks, the answer in
 tags: ``<answer>N</answer>``, the shortest response the reward reads) teaches the format and some of the skill.
-It stops once greedy accuracy on a dev slice of the train side reaches ``target_acc``, leaving room for RL,
-or at ``max_steps``; then it measures greedy accuracy on the held-out rows and saves a Hugging Face folder.
+It stops once greedy accuracy on a dev slice of the train side reaches ``target_acc``, leaving room for RL
+(checked every ``eval_every`` steps, then after every step once within ``close_margin`` of it), or at
+``max_steps``; then it measures greedy accuracy on the held-out rows and saves a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class WarmStart:
     lr: float = 3e-5
     warmup: int = 10
     eval_every: int = 5
+    # within this of target_acc the dev slice is checked after every step: checked every 5, a bf16 warm start on the
+    # AMX Xeon went 0.297 -> 0.398 between two checks and RL from there gained +0.11 (docs/RESULTS.md §11)
+    close_margin: float = 0.1
     dev_size: int = 128
     # room for RL: from 0.3, RL with dynamic sampling gained +0.16 in 60 steps; from 0.4, +0.05 to +0.09
     # (docs/RESULTS.md §11; without the filter, a start at 0.15-0.3 left most groups all wrong)
@@ -121,7 +125,8 @@ def train(
         sched.step()
         loss_value = loss.item()
         bar.update(1)
-        if step % ws.eval_every == 0 or step == ws.max_steps:
+        close = dev_acc >= ws.target_acc - ws.close_margin
+        if close or step % ws.eval_every == 0 or step == ws.max_steps:
             dev_acc = greedy_accuracy(model, tokenizer, dev, ws.max_new_tokens)
             model.train()
             history.append([step, round(loss_value, 4), dev_acc])
