@@ -108,14 +108,15 @@ def test_decode_attention_matches_sdpa(k, dtype):
 @pytest.mark.parametrize("m,n,kk", [(1, 16, 64), (16, 960, 576), (17, 37, 70), (32, 100, 3)])
 def test_int8_gemm_kernel_equals_the_onednn_path(k, dtype, m, n, kk):
     """Bit for bit: exact int32 sums and the same fp32 dequantization, bias added in the model dtype."""
-    if cpu_kernels.int8_gemm_kernels() is None:
-        pytest.skip("the int8 GEMM kernel runs only with AVX-512 VNNI or AVX2 and without AMX; oneDNN runs here")
+    if not k.int8_gemm:
+        pytest.skip("the int8 GEMM kernel is built only with AVX-512 VNNI or AVX2; oneDNN runs here")
     torch.manual_seed(5)
     codes, scale = quantize_int8(torch.randn(n, kk))
     tensors = {"p.weight": codes, "p.weight_scale": scale, "p.bias": torch.randn(n)}
     lin = Int8Linear(["p"], tensors, dtype, torch.device("cpu"))
     x = torch.randn(m, kk).to(dtype)
-    assert lin._gemm is not None  # the kernel's path
+    lin._gemm = k  # the kernel's path, also on AMX CPUs, where the engine keeps oneDNN (benchmarks/decode.py --gemm)
+    lin.repack()
     got = lin(x)
     lin._gemm = None  # the oneDNN path
     want = lin(x)
@@ -126,10 +127,12 @@ def test_int8_gemm_kernel_equals_the_onednn_path(k, dtype, m, n, kk):
 
 def test_int8_gemm_copies_follow_in_place_updates(k):
     """A push writes the codes in place; repack (the engine calls it) rebuilds the panels, and the int8 head's too."""
-    if cpu_kernels.int8_gemm_kernels() is None:
+    if not k.int8_gemm:
         pytest.skip("no int8 GEMM kernel on this CPU")
     torch.manual_seed(6)
     head = Int8Head(torch.randn(96, 64))
+    head._gemm = k
+    head.repack()
     x = torch.randn(4, 64)
     before = head(x)
     head.source.mul_(-1)
