@@ -306,3 +306,24 @@ def test_sync_benchmark_quick(tmp_path):
         f"{m}/s{s}/changed_{p}" for m in ("demo", "qwen2-random-quick") for s in ("1.5", "2") for p in ("qkv", "other")
     }
     assert {r["hash"] for r in report["rows"] if r["kind"] == "checksum"} >= {"qurl.wire.delta.checksum", "blake2b-128"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_diff_chooses_delta_or_whole_by_the_written_rule_at_every_count(dtype):
+    """The smaller of (indices or bit mask) + values and the whole tensor, at every number of changed elements,
+    with the changes at the front or the back (the mask's length follows the last index)."""
+    n, size = 64, torch.empty(0, dtype=dtype).element_size()
+    old = {"c": torch.zeros(n, dtype=torch.int8), "t": torch.zeros(n, dtype=dtype)}  # a code makes it checked
+    for k in range(n + 1):
+        for where in (range(k), range(n - k, n)):
+            t = torch.zeros(n, dtype=dtype)
+            t[list(where)] = 1
+            whole, deltas = delta.diff(old, {"c": old["c"], "t": t})
+            last = max(where, default=-1)
+            smaller = min(4 * k, (last + 8) // 8) + k * size < n * size
+            if k == 0:
+                assert "t" not in whole and "t" not in deltas
+            elif smaller:
+                assert deltas["t"].indices.tolist() == list(where) and "t" not in whole, (k, where)
+            else:
+                assert "t" in whole and "t" not in deltas, (k, where)
