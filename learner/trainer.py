@@ -34,7 +34,7 @@ from learner.model import build_policy, invariant_scaling
 from learner.policy_step import DistEnv, PolicyStep
 from learner.reward_health import RewardHealth
 from learner.weight_sync.tensors import gather_engine_tensors
-from qurl.config import run_dir, to_yaml
+from qurl.config import rollout_dtype, run_dir, to_yaml
 from qurl.data import DatasetError
 from qurl.outputs.metrics import MetricsLogger
 from qurl.quant import scheme_for
@@ -77,7 +77,7 @@ class Learner:
         all_started(problem, self.is_main)
         self.policy = PolicyStep(model, reference, cfg.train, cfg.algo, cfg.rollout.sampling, env)
         self.scheme = scheme_for(cfg.rollout.quant, cfg.quant.fp8_granularity)
-        self.engine_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.rollout.dtype]
+        self.engine_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[rollout_dtype(cfg)]
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.state = TrainState()
         self.drift_checked = False  # the first batch of this learner life is checked against algo.drift_kl_threshold

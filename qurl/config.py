@@ -70,7 +70,7 @@ class SamplingConfig:
 class RolloutConfig:
     engine: str = "torch"  # torch | sglang
     quant: str = "int8"  # none | int8 | fp8
-    dtype: str = "float32"  # float32 | bfloat16 for the full-precision parts
+    dtype: str = "float32"  # float32 | bfloat16 for the full-precision parts | auto: bfloat16 where native
     device: str = "cpu"
     max_batch: int = 64
     max_seq_len: int = 2048
@@ -253,7 +253,7 @@ _KEYWORD_RENAMES = {"async": "async_"}
 CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.engine": ("torch", "sglang"),
     "rollout.quant": ("none", "int8", "fp8"),  # = qurl.quant.QUANT_SETTINGS (no torch here; test_quant checks)
-    "rollout.dtype": ("float32", "bfloat16"),
+    "rollout.dtype": ("float32", "bfloat16", "auto"),
     "algo.kl_kind": ("k1", "k2", "k3"),
     "algo.advantage": ("grpo", "drgrpo", "rloo"),
     "quant.fp8_granularity": ("block", "channel"),
@@ -362,6 +362,21 @@ def int8_lm_head(cfg: DictConfig) -> bool:
     return get(cfg, "rollout.quant") == "int8" and get(cfg, "rollout.engine") == "torch" if chosen is None else chosen
 
 
+def rollout_dtype(cfg: DictConfig) -> str:
+    """rollout.dtype with auto resolved: bfloat16 where the engine's device computes it natively (a GPU, or a CPU with
+    AVX512-BF16 or AMX: INT8 decodes 1.3x bf16 there with bf16 activations, RESULTS §13), float32 elsewhere."""
+    chosen = get(cfg, "rollout.dtype")
+    if chosen != "auto":
+        return chosen
+    if get(cfg, "rollout.engine") == "sglang":
+        return "bfloat16"  # its quantized layers take nothing else
+    import torch  # here, not above: the supervisor loads configs without torch
+
+    from qurl.hardware import native_bf16
+
+    return "bfloat16" if native_bf16(torch.device(get(cfg, "rollout.device"))) else "float32"
+
+
 def load_config(path: str | None = None, overrides: list[str] = (), check_paths: bool = True) -> DictConfig:
     """Merge schema defaults, a YAML file and overrides, then validate; raise ConfigError on any problem."""
     cfg = OmegaConf.structured(Config)
@@ -446,7 +461,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
     if (
         get(cfg, "rollout.engine") == "sglang"
         and get(cfg, "rollout.quant") != "none"
-        and get(cfg, "rollout.dtype") != "bfloat16"
+        and get(cfg, "rollout.dtype") not in ("bfloat16", "auto")
     ):
         raise ConfigError(
             f"rollout.dtype={get(cfg, 'rollout.dtype')} with rollout.engine=sglang and rollout.quant="

@@ -13,7 +13,7 @@ from typing import Any
 import zmq
 from omegaconf import DictConfig
 
-from qurl.config import get, int8_lm_head
+from qurl.config import get, int8_lm_head, rollout_dtype
 from qurl.data import DatasetError
 from qurl.evaluate import load_eval_set, load_prompts
 from qurl.quant import scheme_for
@@ -126,7 +126,7 @@ def build(cfg: DictConfig, server_id: str, cleanup: contextlib.ExitStack, replic
         path,
         engine=get(cfg, "rollout.engine"),
         quant=scheme,
-        dtype=get(cfg, "rollout.dtype"),
+        dtype=rollout_dtype(cfg),
         device=get(cfg, "rollout.device"),
         max_batch=get(cfg, "rollout.max_batch"),
         max_seq_len=get(cfg, "rollout.max_seq_len"),

@@ -5,10 +5,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from conftest import GPU_SGLANG
 
-from qurl.config import ConfigError, get, int8_lm_head, load_config, to_yaml
+from qurl.config import ConfigError, get, int8_lm_head, load_config, rollout_dtype, to_yaml
+from qurl.hardware import native_bf16
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [
@@ -177,6 +179,16 @@ def test_int8_lm_head_is_on_by_default_where_it_can_be():
     assert not int8_lm_head(_cfg("rollout.engine=torch", "rollout.quant=none"))
     assert not int8_lm_head(_cfg("rollout.engine=sglang", "rollout.quant=int8", "rollout.dtype=bfloat16"))
     assert "quant.lm_head=true needs rollout.quant=int8" in error("rollout.quant=none", "quant.lm_head=true")
+
+
+def test_rollout_dtype_auto_is_bf16_where_this_cpu_has_it_and_always_on_sglang():
+    """rollout.dtype=auto: this CPU's native bf16 decides for the torch engine (each CPU kind checks its own answer);
+    SGLang's quantized layers take bf16 only; an explicit choice passes through."""
+    native = native_bf16(torch.device("cpu"))
+    assert rollout_dtype(_cfg("rollout.dtype=auto")) == ("bfloat16" if native else "float32")
+    assert rollout_dtype(_cfg("rollout.dtype=auto", "rollout.engine=sglang", "rollout.quant=int8")) == "bfloat16"
+    assert rollout_dtype(_cfg("rollout.dtype=float32")) == "float32"
+    assert "choose one of: float32, bfloat16, auto" in error("rollout.dtype=fp16")
 
 
 def test_nccl_refuses_int8_and_cuda_ipc_stays_on_this_node():

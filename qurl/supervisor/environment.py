@@ -16,7 +16,7 @@ import tempfile
 from importlib import metadata
 from typing import Any
 
-from qurl.config import ConfigError, get
+from qurl.config import ConfigError, get, rollout_dtype
 
 # The oldest Linux driver each CUDA major runs on (NVIDIA's CUDA release notes, minor-version compatibility): a torch
 # or sglang built for CUDA 13 installs on an older driver and then fails at its first CUDA call.
@@ -205,7 +205,7 @@ def check_room(cfg: Any, run_dir: str, shm: str = SHM) -> dict[str, int]:
     tensors = model_tensors(get(cfg, "model.path"))
     if not tensors:  # *.bin weights: no header to size them by
         return {}
-    estimates = {"push_bytes": push_bytes(tensors, get(cfg, "rollout.quant"), get(cfg, "rollout.dtype"))}
+    estimates = {"push_bytes": push_bytes(tensors, get(cfg, "rollout.quant"), rollout_dtype(cfg))}
     if get(cfg, "rollout.engine") == "sglang" and get(cfg, "sync.transport") == "zmq" and os.path.isdir(shm):
         free = free_bytes(shm)
         if free < estimates["push_bytes"]:
