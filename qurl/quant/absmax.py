@@ -119,4 +119,4 @@ def changed_fraction(old_codes: torch.Tensor, new_codes: torch.Tensor) -> float:
         return 0.0
     if old_codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         old_codes, new_codes = old_codes.view(torch.uint8), new_codes.view(torch.uint8)
-    return int(np.count_nonzero(torch.ne(old_codes, new_codes).cpu().numpy())) / old_codes.numel()  # 10-50x torch.sum
+    return int(np.count_nonzero(torch.ne(old_codes, new_codes).cpu().numpy())) / old_codes.numel()  # ~70x a bool sum

@@ -79,7 +79,7 @@ def diff(
         bits = _BITS[t.element_size()]
         flat, prev_flat = t.reshape(-1), prev.reshape(-1)
         changed = torch.ne(flat.view(bits), prev_flat.view(bits)).cpu().numpy()
-        count = np.count_nonzero(changed)  # numpy counts and finds a bool mask 10-70x faster than torch here
+        count = np.count_nonzero(changed)  # ~70x torch's bool sum; np.flatnonzero below 3-6x torch's nonzero
         if count == 0:
             continue
         if (count + 7) // 8 + count * t.element_size() >= t.numel() * t.element_size():
