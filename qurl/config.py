@@ -370,7 +370,7 @@ def rollout_dtype(cfg: DictConfig) -> str:
         return chosen
     if get(cfg, "rollout.engine") == "sglang":
         return "bfloat16"  # its quantized layers take nothing else
-    import torch  # here, not above: the supervisor loads configs without torch
+    import torch  # here, not above: importing qurl.config stays torch-free (as qurl.corrections.spec does)
 
     from qurl.hardware import native_bf16
 
