@@ -15,6 +15,12 @@ to bf16 (with kernels) in the same round.
 
     python benchmarks/decode.py [--models smollm2,qwen2-150m] [--batches 16,64] [--rounds 3] [--out FILE] [--quick]
     python benchmarks/decode.py --gemm [--out FILE]   # the kernels' int8 GEMM against oneDNN, 1-256 rows
+    python benchmarks/decode.py --apply [--models smollm2] [--threads 1] [--out FILE]   # one push's re-derivations
+
+--apply: what a push costs the int8+bf16+head engine after its bytes are written (TorchEngine.apply_delta's
+model.repack, and the checksum), by part: oneDNN's re-pack of every int8 linear, the int8 lm_head's requantization
+(by the CPU kernel, as the engine does, and by torch operators, side by side) and its re-pack. One part after another
+per round, medians over --rounds.
 
 --quick: a 2-layer random Qwen2 (`tiny`), batch 4, 8 new tokens, one round (the test's run).
 """
@@ -212,6 +218,37 @@ def gemm_rows(shapes: dict, rows: list[int], reps: int) -> list[dict]:
     return out
 
 
+def apply_parts(model: str, rounds: int) -> dict:
+    """Seconds per part of re-deriving an int8+bf16+head engine's copies after a push (medians over rounds)."""
+    from qurl.quant import quantize_int8
+    from qurl.wire import delta
+    from rollout_server.engines.linear import _int8_rows
+
+    engine = load_engine(model, quant="int8", dtype="bfloat16", max_seq_len=64, int8_lm_head=True)
+    m, head = engine.model, engine.model.head
+    linears = [lin for layer in m.layers for lin in layer.linears]
+    parts = {
+        "linears_repack_s": lambda: [lin.repack() for lin in linears],
+        "head_quantize_kernel_s": lambda: _int8_rows(head.source),
+        "head_quantize_torch_ops_s": lambda: quantize_int8(head.source, dim=-1),
+        "head_repack_s": head.repack,
+        "checksum_s": lambda: delta.checksum(engine.weights),
+        "repack_all_s": lambda: m.repack(list(engine.weights)),  # what apply_delta runs after the write
+    }
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, f in parts.items():
+                t = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t)
+    out = {k: round(statistics.median(v), 6) for k, v in times.items()}
+    out["head_quantize_kernel_speedup"] = round(out["head_quantize_torch_ops_s"] / out["head_quantize_kernel_s"], 2)
+    out["head_shape"] = list(head.weight.shape)
+    out["int8_linears"] = len(linears)
+    return out
+
+
 def prompts_for(model_name: str, tmp: str, batch: int) -> tuple[str, list[list[int]]]:
     if model_name == "smollm2":
         return smollm2_prompts(batch)
@@ -233,12 +270,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--gemm", action="store_true", help="only the int8 GEMM against oneDNN at SmolLM2's shapes")
+    ap.add_argument("--apply", action="store_true", help="only what one push costs the int8+bf16+head engine, by part")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.batches, args.rounds, args.new_tokens = "tiny", "4", 1, 8
     torch.set_num_threads(args.threads)
     if cpu_kernels.kernels() is None:
         raise SystemExit("decode.py: the CPU kernels did not build (see the warning); nothing to compare")
+    if args.apply:
+        result = {"benchmark": "decode-apply", "machine": machine_info(), "threads": args.threads, "rows": []}
+        with tempfile.TemporaryDirectory() as tmp:
+            for model_name in args.models.split(","):
+                model, _ = prompts_for(model_name, tmp, 2)
+                result["rows"].append({"model": model_name, **apply_parts(model, max(args.rounds, 1))})
+        emit(result, args.out)
+        return result
     if args.gemm:
         if not cpu_kernels.kernels().int8_gemm:
             raise SystemExit("decode.py --gemm: the CPU kernels have no int8 GEMM for this CPU")

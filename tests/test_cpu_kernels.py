@@ -182,3 +182,8 @@ def test_decode_benchmark_quick(tmp_path):
     assert all(0 < r["share_of_byte_limit"] for r in rows.values())
     if cpu_kernels.int8_gemm_kernels() is not None:  # the GEMM against oneDNN, both timed at each row count
         assert [r["rows"] for r in result["gemm"]] == [1, 4] and all(r["kernel_vs_onednn"] > 0 for r in result["gemm"])
+    # --apply: one push's re-derivations by part, the head's requantization both ways
+    apply = bench.main(["--apply", "--models", "tiny", "--rounds", "1", "--threads", "1"])
+    (row,) = apply["rows"]
+    assert apply["benchmark"] == "decode-apply" and row["head_shape"] == [512, 128] and row["int8_linears"] == 8
+    assert all(row[k] > 0 for k in ("linears_repack_s", "head_quantize_kernel_s", "head_repack_s", "repack_all_s"))

@@ -18,7 +18,7 @@ from qurl.quant import (
     quantize_uint8_shifted,
 )
 from rollout_server.engines import GenRequest, load_engine
-from rollout_server.engines.linear import LINEARS, Int8Linear, int8_matmul, onednn_int8_is_exact
+from rollout_server.engines.linear import LINEARS, Int8Head, Int8Linear, int8_matmul, onednn_int8_is_exact
 
 SCHEMES = ("int8", "fp8-channel", "fp8-block")
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -120,6 +120,24 @@ def test_shifted_activation_codes_equal_quantize_int8(dtype):
     shifted, scale2 = quantize_uint8_shifted(x)
     assert shifted.dtype == torch.uint8 and torch.equal(scale2, scale)
     assert torch.equal(shifted.int() - 128, codes.int())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_head_codes_equal_quantize_int8_after_each_push(dtype):
+    """The int8 lm_head (requantized by the CPU kernel where it builds) holds quantize_int8's codes and scales bit
+    for bit, at load and after a push rewrote its source in place: ties round to even, a zero row gets scale 1."""
+    g = torch.Generator().manual_seed(5)
+    source = (torch.randn(40, 96, generator=g) * torch.logspace(-3, 2, 40)[:, None]).to(dtype)
+    head = Int8Head(source)
+    for push in range(3):
+        if push:
+            source.copy_(torch.randn(40, 96, generator=g).to(dtype))
+            source[3] = 0
+            source[7, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # scale 1: codes 127, 2, -4, 0 (half to even)
+            head.refresh()
+        codes, scale = quantize_int8(source, dim=-1)
+        assert torch.equal(head.weight, codes) and torch.equal(head.scale, scale), push
+    assert head.weight[7, :4].tolist() == [127, 2, -4, 0] and head.scale[3].item() == 1.0
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
