@@ -18,9 +18,9 @@ to bf16 (with kernels) in the same round.
     python benchmarks/decode.py --apply [--models smollm2] [--threads 1] [--out FILE]   # one push's re-derivations
 
 --apply: what a push costs the int8+bf16+head engine after its bytes are written (TorchEngine.apply_delta's
-model.repack, and the checksum), by part: oneDNN's re-pack of every int8 linear, the int8 lm_head's requantization
-(by the CPU kernel, as the engine does, and by torch operators, side by side) and its re-pack. One part after another
-per round, medians over --rounds.
+model.repack, and the checksum), by part: oneDNN's re-pack of every int8 linear (and, beside it, the CPU kernels'
+own pack of the same codes), the int8 lm_head's requantization (by the CPU kernel, as the engine does, and by torch
+operators, side by side) and its re-pack. One part after another per round, medians over --rounds.
 
 --quick: a 2-layer random Qwen2 (`tiny`), batch 4, 8 new tokens, one round (the test's run).
 """
@@ -235,6 +235,9 @@ def apply_parts(model: str, rounds: int) -> dict:
         "checksum_s": lambda: delta.checksum(engine.weights),
         "repack_all_s": lambda: m.repack(list(engine.weights)),  # what apply_delta runs after the write
     }
+    if cpu_kernels.kernels().int8_gemm:  # the kernels' own layout of the same codes, even where the engine keeps
+        pack = cpu_kernels.kernels().int8_pack  # oneDNN's GEMM (AMX)
+        parts["linears_kernel_pack_s"] = lambda: [pack(lin.weight) for lin in linears]
     times: dict[str, list[float]] = {k: [] for k in parts}
     with torch.inference_mode():
         for _ in range(rounds):
