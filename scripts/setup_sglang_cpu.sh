@@ -10,8 +10,9 @@ stamp="$venv/.qurl-sglang-$(cat "$0" pyproject.toml | sha256sum | cut -c1-16)"
 [ -f "$stamp" ] && exit 0
 # The install needs about 11 GB; on a fuller disk pip dies half-way with ENOSPC, so say so first, in one line.
 need_gb="${QURL_SGLANG_NEED_GB:-12}"
-free_gb=$(( $(df -Pk "$(dirname "$venv")" | awk 'NR==2 {print $4}') / 1048576 ))
-if [ "$free_gb" -lt "$need_gb" ]; then
+free_kb="$(df -Pk "$(dirname "$venv")" 2>/dev/null | awk 'NR==2 {print $4}' || true)"  # empty where df cannot tell
+free_gb=$(( ${free_kb:-0} / 1048576 ))
+if [ -n "$free_kb" ] && [ "$free_gb" -lt "$need_gb" ]; then
   echo "setup-sglang: $free_gb GB free on the disk of $venv; the SGLang venv needs about $need_gb GB (free space, or set QURL_SGLANG_VENV to a roomier disk)" >&2
   exit 2
 fi
