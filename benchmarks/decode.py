@@ -222,14 +222,14 @@ def apply_parts(model: str, rounds: int) -> dict:
     """Seconds per part of re-deriving an int8+bf16+head engine's copies after a push (medians over rounds)."""
     from qurl.quant import quantize_int8
     from qurl.wire import delta
-    from rollout_server.engines.linear import _int8_rows
+    from rollout_server.engines.linear import int8_rows
 
     engine = load_engine(model, quant="int8", dtype="bfloat16", max_seq_len=64, int8_lm_head=True)
     m, head = engine.model, engine.model.head
     linears = [lin for layer in m.layers for lin in layer.linears]
     parts = {
         "linears_repack_s": lambda: [lin.repack() for lin in linears],
-        "head_quantize_kernel_s": lambda: _int8_rows(head.source),
+        "head_quantize_kernel_s": lambda: int8_rows(head.source),
         "head_quantize_torch_ops_s": lambda: quantize_int8(head.source, dim=-1),
         "head_repack_s": head.repack,
         "checksum_s": lambda: delta.checksum(engine.weights),
