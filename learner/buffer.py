@@ -1,4 +1,11 @@
-"""Rank 0's trajectory buffer: pull scored groups, drop stale or uninformative ones (counted), assemble batches."""
+"""Rank 0's trajectory buffer: pull scored groups, drop stale or uninformative ones (counted), assemble batches.
+
+Groups are received on a thread of its own (`start`), during train steps too: a group dropped on arrival (stale, or
+unanimous under dynamic sampling) counts as received at once, so the staleness budget returns its room to the
+servers while the learner trains, not after the step (learner/budget.py grants by what was received). When the
+main thread alone received, between steps, a dynamic-sampling recipe's server spent most of each step idle at
+its grant (RESULTS §13).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import time
 from collections import Counter, deque
 
 import torch
+import zmq
 
 from learner.batch import min_version
 from qurl.algorithms import filter_groups
@@ -16,6 +24,8 @@ from qurl.wire.protocol import TrajectoryGroup
 from qurl.wire.transport import Receiver
 
 log = logging.getLogger("learner")
+
+INTAKE_POLL_MS = 100  # the intake thread checks for a stop this often
 
 
 def json_copy(tree: dict) -> dict:
@@ -49,6 +59,28 @@ class TrajectoryBuffer:
         self._used_by: dict[int, int] = {0: 0}  # weights version -> groups used by the steps that made it and before
         self._resumed_sessions: set[tuple[str, str]] = set()  # checkpointed sessions not heard from since the resume
         self._lock = threading.Lock()  # the control thread reads (A, U, received per server) as one snapshot
+        self._arrived = threading.Condition(self._lock)  # notified for every group accepted into the buffer
+        self.version = 0  # the learner's weights version (step_done): what the intake thread judges staleness by
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Receive on a thread from now on; `take(wait_ms=...)` then waits for it."""
+        self._thread = threading.Thread(target=self._intake, name="qurl-intake", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the intake thread (before the socket's context is destroyed)."""
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _intake(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll(INTAKE_POLL_MS)
+            except zmq.ZMQError:  # the context was closed under us at shutdown
+                return
 
     @property
     def accepted_total(self) -> int:
@@ -68,12 +100,17 @@ class TrajectoryBuffer:
         """A step ended with weights `version` (new, or the same when its update was skipped): its groups count as
         used for servers that hold that version. Called before the push, so a server never holds it first."""
         with self._lock:
+            self.version = version
             self._used_by[version] = self.used
             for old in [v for v in self._used_by if v < version - self.max_staleness - 1]:
                 del self._used_by[old]
 
     def counters(self) -> dict:
         """The buffer's cursor: what a resumed learner continues counting from."""
+        with self._lock:  # one consistent cursor while the intake thread counts
+            return self._counters()
+
+    def _counters(self) -> dict:
         return {
             "received": self.received,
             "received_from": dict(self.received_from),
@@ -101,8 +138,9 @@ class TrajectoryBuffer:
         self._resumed_sessions = {(sid, session) for sid, w in self.wire.items() for session in w["sessions"]}
         self._used_by = {}  # the resumed learner records its version (step_done)
 
-    def poll(self, timeout_ms: int, version: int) -> int:
-        """Take every group waiting on the socket (waiting up to timeout_ms for the first); return how many."""
+    def poll(self, timeout_ms: int, version: int | None = None) -> int:
+        """Take every group waiting on the socket (waiting up to timeout_ms for the first); return how many. Each is
+        judged against `version`, or against the learner's version when it arrives (the intake thread)."""
         n = 0
         ready = self.receiver.sock.poll(timeout_ms)
         while ready:
@@ -110,7 +148,8 @@ class TrajectoryBuffer:
             if isinstance(msg, TrajectoryGroup):
                 with self._lock:
                     self._tally(*self.receiver.guard.last_stamp)
-                    self._add(msg, version)
+                    self._add(msg, self.version if version is None else version)
+                    self._arrived.notify_all()
                 n += 1
             ready = self.receiver.sock.poll(0)
         return n
@@ -156,9 +195,12 @@ class TrajectoryBuffer:
         _, n_dropped = filter_groups(rewards, torch.zeros(len(rewards), dtype=torch.int64))
         return n_dropped > 0
 
-    def take(self, version: int) -> list[TrajectoryGroup] | None:
-        """The oldest batch_prompts groups once enough fresh ones wait; groups now too stale are dropped first."""
+    def take(self, version: int, wait_ms: int = 0) -> list[TrajectoryGroup] | None:
+        """The oldest batch_prompts groups once enough fresh ones wait (waiting up to wait_ms for the intake thread);
+        groups now too stale are dropped first."""
         with self._lock:
+            if wait_ms:
+                self._arrived.wait_for(lambda: len(self.groups) >= self.batch_prompts, wait_ms / 1000)
             fresh = deque(g for g in self.groups if version - min_version(g) <= self.max_staleness)
             if len(fresh) < len(self.groups):
                 self.dropped["stale"] += len(self.groups) - len(fresh)

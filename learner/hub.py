@@ -1,9 +1,9 @@
 """The rank-0 hub (design.md §3, step 2, and §5): the learner's three bound sockets, the trajectory buffer, and
 the broadcast that hands every rank the same batch.
 
-Rank 0 alone owns the sockets (trajectory PULL, weight PUB, control ROUTER); it polls the buffer between the
-collectives that keep every rank in step, broadcasts each batch as tensors, and describes the batch for the
-metrics (`batch_info`). The other ranks take part in the collectives only.
+Rank 0 alone owns the sockets (trajectory PULL, weight PUB, control ROUTER); the buffer receives on a thread,
+rank 0 takes batches from it between the collectives that keep every rank in step, broadcasts each batch as
+tensors, and describes the batch for the metrics (`batch_info`). The other ranks take part in the collectives only.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from qurl.wire.protocol import CONTROL_MAX_BYTES, TRAJECTORY_MAX_BYTES
 
 log = logging.getLogger("learner")
 
-WAIT_TICK_MS = 500  # rank 0 polls the socket this long between the collectives that keep every rank in step
+WAIT_TICK_MS = 500  # rank 0 waits this long for a batch between the collectives that keep every rank in step
 CLOSE_LINGER_MS = 2000  # at exit, give the last weight push and replies this long to leave
 WAIT, BATCH = 0, 1
 
@@ -137,8 +137,7 @@ class Hub:
                 return None, {}
             groups, header = None, torch.zeros(3, dtype=torch.int64)
             if self.is_main:
-                self.buffer.poll(WAIT_TICK_MS, version)
-                groups = self.buffer.take(version)
+                groups = self.buffer.take(version, wait_ms=WAIT_TICK_MS)
                 if groups is not None:
                     batch = collate(groups, self.pad_id)
                     header = torch.tensor([BATCH, *batch.input_ids.shape])
@@ -221,8 +220,15 @@ class Hub:
         self._tokens_mark = self.buffer.response_tokens
         return {"rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(wall_s, 1e-9)}
 
+    def start(self) -> None:
+        """Rank 0, once the resume point is restored: serve the control channel and receive groups, each on a thread."""
+        self.plane.start()
+        self.buffer.start()
+
     def close(self) -> None:
         if self.plane is not None:
             self.plane.close()
+        if self.buffer is not None:
+            self.buffer.close()
         if self.ctx is not None:
             self.ctx.destroy(linger=CLOSE_LINGER_MS)

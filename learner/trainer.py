@@ -208,7 +208,7 @@ class Learner:
                 resume_step=self.state.step if cfg.run.resume else -1,
             )
             self.weight_sync.start(self.state.version)
-            self.hub.plane.start()
+            self.hub.start()
         self._push(send=self.state.version > 0)
 
     def _push(self, send: bool = True) -> dict:

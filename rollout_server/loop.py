@@ -31,6 +31,7 @@ from rollout_server.weight_receiver import WeightReceiver
 log = logging.getLogger("rollout_server")
 
 HEARTBEAT_S = 1.0
+ASK_S = 0.1  # the heartbeat's period while a free slot waits for grant: room the learner frees reaches us at once
 IDLE_WAIT_MS = 20
 COUNTERS = (
     "admitted",
@@ -425,7 +426,8 @@ class RolloutLoop:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        if now - self._last_heartbeat >= HEARTBEAT_S:
+        period = ASK_S if self.admission.room() == 0 and self._fits() else HEARTBEAT_S
+        if now - self._last_heartbeat >= period:
             self._last_heartbeat = now
             self._status("heartbeat")
             self._beat_file()

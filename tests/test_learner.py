@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -620,6 +621,43 @@ def test_servers_get_room_only_for_work_that_is_fresh_when_taken():
         buffer.step_done(1)
         assert budget.grant(SERVER_ID, 1, 1, {"admitted": 4}, now=0.9) == 6
     finally:
+        ctx.destroy(linger=0)
+
+
+def test_intake_thread_frees_dropped_groups_room_while_the_learner_trains():
+    """Groups arrive and are filtered on the buffer's own thread, with no call from the (busy) main thread: a
+    unanimous group counts as received at once, so the next grant returns its room during the step; take(wait_ms)
+    wakes on arrival; staleness is judged against the version step_done recorded."""
+    from learner.budget import Budget
+
+    ctx = zmq.Context()
+    try:
+        buffer, push = inproc_buffer(ctx, max_staleness=1, dynamic_sampling=True)
+        budget = Budget(1, 2, buffer.snapshot)
+        assert budget.grant(SERVER_ID, 0, 0, {"admitted": 0}, now=0.0) == 4  # (1 + 0 + 1) * 2 groups
+        buffer.start()
+        for gid in ("flat1", "flat2", "flat3", "flat4"):  # the whole grant comes back unanimous
+            push.send(toy_group(gid, [1, 1], version=0))
+        deadline = time.monotonic() + 10
+        while buffer.received < 4:
+            assert time.monotonic() < deadline, f"the intake thread received {buffer.received} of 4"
+            time.sleep(0.01)
+        assert buffer.dropped["filter"] == 4 and buffer.accepted_total == 0
+        assert budget.grant(SERVER_ID, 0, 0, {"admitted": 4}, now=0.1) == 8  # all 4 returned: room for 4 more
+        assert buffer.take(version=0, wait_ms=50) is None  # nothing usable: waits at most 50 ms
+        threading.Timer(0.2, lambda: [push.send(toy_group(g, [0, 1], version=0)) for g in ("a", "b")]).start()
+        started = time.monotonic()
+        batch = buffer.take(version=0, wait_ms=10_000)
+        assert [g.group_id for g in batch] == ["a", "b"] and time.monotonic() - started < 9  # woken, not timed out
+        buffer.step_done(2)  # the learner moved on: version 0's work is two versions old on arrival
+        push.send(toy_group("old", [0, 1], version=0))
+        deadline = time.monotonic() + 10
+        while buffer.dropped["stale"] < 1:
+            assert time.monotonic() < deadline, "the intake thread did not judge staleness by step_done's version"
+            time.sleep(0.01)
+        assert buffer.counters()["received"] == 7
+    finally:
+        buffer.close()
         ctx.destroy(linger=0)
 
 

@@ -29,7 +29,7 @@ from qurl.wire.frames import from_torch, to_torch
 from qurl.wire.protocol import Sample as ProtoSample
 from qurl.wire.protocol import Status, TrajectoryGroup, WeightPush, encode
 from rollout_server.engines import load_engine
-from rollout_server.loop import Outbox
+from rollout_server.loop import HEARTBEAT_S, Outbox
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = str(Path(sys.executable).parent / "qurl-rollout-server")
@@ -420,6 +420,10 @@ def test_server_int8_logprobs_and_push(demo_dir, gold, learner, tmp_path):
         budget0 = (STALENESS + 1) * BATCH
         learner.pump(lambda: len(learner.groups) >= budget0, timeout_s=START_TIMEOUT_S)
         assert learner.statuses[0].quant == "int8"
+        # at its grant with free slots it asks every ASK_S (0.1 s), not every HEARTBEAT_S: freed room comes at once
+        asked = time.monotonic()
+        learner.heartbeats(6)
+        assert time.monotonic() - asked < 6 * HEARTBEAT_S / 2, "an idle server at its grant asks once a second"
         engine = load_engine(str(demo_dir / "model"), quant="int8", max_batch=1, max_seq_len=64)
         gap0 = max_gap(learner.groups, lambda p, t: engine_logprobs(engine, p, t))
         assert gap0 < INT8_TOL, f"int8 behaviour logprobs differ from the int8 engine's teacher-forced ones by {gap0}"
