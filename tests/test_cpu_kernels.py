@@ -140,6 +140,47 @@ def test_int8_gemm_copies_follow_in_place_updates(k):
     torch.testing.assert_close(head(x), -before, rtol=0, atol=0)
 
 
+def test_sample_rows_draws_what_sampling_py_draws(k, monkeypatch):
+    """The one-pass draw is sampling.py's inverse-CDF draw: for each row's uniform u, the token whose fp64 CDF interval
+    holds u (up to fp32 summation: both paths sum 49k probabilities in fp32, in different orders, so a u within
+    ~1e-5 of a boundary may land either side), its log-softmax, greedy rows' first maximum, never a -inf token."""
+    from rollout_server.engines import sampling
+
+    torch.manual_seed(3)
+    b, vocab = 64, 49152 + 5  # SmolLM2's vocabulary, plus a short last segment
+    logits = torch.randn(b, vocab) * torch.linspace(0.5, 8, b)[:, None]  # flat to peaked rows
+    logits[5, 1000] = logits[5].max() + 30  # one token holds all the mass
+    logits[6, :-3] = -torch.inf  # only the last 3 tokens can be drawn
+    logits[7, 10:] = -torch.inf  # ... the first 10 here, with u = 1 below
+    logits[8, [17, 40_000]] = logits[8].max() + 1  # a tie for greedy: the first one
+    temps = [(0.0, 1.0, 0.7, 1.3)[i % 4] for i in range(b)]
+    temps[7], temps[8] = 1.0, 0.0
+    u = (1.0 - torch.rand(b)).tolist()
+    u[7] = 1.0
+    args = (logits, temps, [1.0] * b, [-1] * b, u)
+    tok, lp = sampling.sample(*args)  # the kernel
+    monkeypatch.setattr(sampling, "usable", lambda x: None)
+    want_tok, want_lp = sampling.sample(*args)
+    assert tok.dtype == torch.int64 and lp.dtype == torch.float32
+    t64 = torch.tensor([t or 1.0 for t in temps], dtype=torch.float64)[:, None]
+    logp64 = torch.log_softmax(logits.double() / t64, -1)
+    torch.testing.assert_close(lp.double(), logp64.gather(1, tok[:, None])[:, 0], rtol=0, atol=2e-5)
+    cdf64 = logp64.exp().cumsum(-1)
+    for drawn in (tok, want_tok):  # the kernel, and sampling.py's torch path held to the same standard
+        hi = cdf64.gather(1, drawn[:, None])[:, 0]
+        lo = hi - logp64.gather(1, drawn[:, None])[:, 0].exp()
+        sampled = torch.tensor([t != 0 for t in temps])
+        target = torch.tensor(u, dtype=torch.float64)
+        assert ((lo - 1e-5 <= target) & (target <= hi + 1e-5))[sampled].all()
+    assert (tok != want_tok).sum() <= 4 and torch.equal(tok[::4], logits[::4].argmax(-1))  # rows 0, 4, ...: greedy
+    same = tok == want_tok
+    torch.testing.assert_close(lp[same], want_lp[same], rtol=1e-5, atol=1e-5)
+    assert tok[5] == 1000 and tok[6] >= vocab - 3 and tok[7] < 10 and tok[8] == 17
+    assert torch.isfinite(lp).all()
+    with pytest.raises(RuntimeError, match="uniform must be in"):
+        k.sample_rows(logits, torch.ones(b), torch.zeros(b))
+
+
 def test_engine_greedy_tokens_equal_without_the_kernels(tmp_path, monkeypatch):
     """The engine's greedy decode with the kernels equals its torch-operator decode (bf16 SmolLM2-like shapes)."""
     from test_engine import build_model

@@ -3,11 +3,15 @@
 The logprob is log_softmax(logits / T) over the full vocabulary (T = 1 for greedy rows); top-k and
 top-p only restrict which tokens can be drawn and never renormalise it (SGLang semantics).
 Each row draws with its own uniform number, so a row's token does not depend on its batch-mates.
+Without top-k / top-p, fp32 logits on CPU are drawn by the CPU kernels' `sample_rows` in one pass per row
+(csrc/decode_cpu.cpp); the same draw up to summation order.
 """
 
 from __future__ import annotations
 
 import torch
+
+from rollout_server.engines.cpu_kernels import usable
 
 
 def sample(
@@ -22,6 +26,14 @@ def sample(
     Returns the sampled token ids [B] (int64) and their logprobs [B] (fp32).
     """
     dev, vocab = logits.device, logits.shape[-1]
+    restricted = any(0 < k < vocab for k in top_ks) or any(p < 1 for p in top_ps)
+    kernels = usable(logits)
+    if not restricted and hasattr(kernels, "sample_rows") and logits.dim() == 2 and logits.dtype == torch.float32:
+        return kernels.sample_rows(
+            logits.contiguous(),
+            torch.tensor(temperatures, dtype=torch.float32),
+            torch.tensor(uniforms, dtype=torch.float32),
+        )
     greedy = [t == 0 for t in temperatures]
     if all(t in (0, 1) for t in temperatures):
         scaled = logits
@@ -33,7 +45,7 @@ def sample(
     else:
         probs = logprobs.exp()
         order = None
-        if any(0 < k < vocab for k in top_ks) or any(p < 1 for p in top_ps):
+        if restricted:
             probs, order = _restrict(probs, top_ps, top_ks)
         cdf = probs.cumsum(-1)
         u = torch.tensor(uniforms, device=dev)
