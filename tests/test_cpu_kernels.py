@@ -104,6 +104,15 @@ def test_decode_attention_matches_sdpa(k, dtype):
         k.decode_attention(q, *kv, torch.tensor([1, 17, 230, 16, length + 1]), 0.125)
 
 
+def test_scale_rows_equals_torch_mul_into_bf16(k):
+    """An int8 linear's dequantization into bf16, bit for bit (a short tail included); the oneDNN path takes it."""
+    torch.manual_seed(6)
+    acc, xs = torch.randn(9, 1536 + 7) * 1e3, torch.rand(9, 1) * 1e-2
+    acc[0, :4], xs[0] = torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -0.0]), 1.0  # ties round to even
+    want = torch.mul(acc, xs, out=torch.empty(acc.shape, dtype=torch.bfloat16))
+    assert torch.equal(k.scale_rows(acc, xs), want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,kk", [(1, 16, 64), (16, 960, 576), (17, 37, 70), (32, 100, 3)])
 def test_int8_gemm_kernel_equals_the_onednn_path(k, dtype, m, n, kk):

@@ -167,6 +167,9 @@ class Int8Linear(_RowScaled):
         acc = _qlinear(xu, 128, self.packed, self.scale.view(-1), self.zero_points)
         if out_dtype == acc.dtype:
             return acc.mul_(xs)
+        k = usable(acc)
+        if k is not None and out_dtype == torch.bfloat16 and acc.dim() == 2:
+            return k.scale_rows(acc, xs)  # one pass: torch.mul into a bf16 out goes through an fp32 temporary
         return torch.mul(acc, xs, out=torch.empty(acc.shape, dtype=out_dtype))  # scaled in fp32, one store
 
     def _int8_onednn_split(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -602,6 +602,25 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   });
 }
 
+// y = bf16(acc * xs[row]): an int8 linear's dequantization after oneDNN's GEMM applied the weights' scales, in one
+// pass (torch.mul into a bf16 out computes in fp32 and copies: two passes and a temporary)
+void scale_rows_bf16(const float* acc, const float* xs, c10::BFloat16* y, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float s = xs[r];
+      const float* a = acc + r * n;
+      c10::BFloat16* o = y + r * n;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16) store16(o + i, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_set1_ps(s)));
+#elif defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= n; i += 8) store8(o + i, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_set1_ps(s)));
+#endif
+      for (; i < n; ++i) o[i] = store<c10::BFloat16>(a[i] * s);
+    }
+  });
+}
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define QURL_SAMPLE_ROWS
 #if defined(__AVX512F__)
@@ -762,6 +781,16 @@ at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+at::Tensor scale_rows(const at::Tensor& acc, const at::Tensor& xs) {
+  TORCH_CHECK(acc.device().is_cpu() && acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kFloat,
+              "scale_rows acc: a contiguous fp32 [M, N] CPU tensor");
+  TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.is_contiguous() && xs.numel() == acc.size(0),
+              "scale_rows xs: fp32 [M, 1]");
+  auto y = at::empty(acc.sizes(), acc.options().dtype(at::kBFloat16));
+  scale_rows_bf16(acc.data_ptr<float>(), xs.data_ptr<float>(), y.data_ptr<c10::BFloat16>(), acc.size(0), acc.size(1));
+  return y;
+}
+
 #ifdef QURL_SAMPLE_ROWS
 std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, const at::Tensor& temps,
                                                const at::Tensor& uniforms) {
@@ -852,6 +881,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "HF RMSNorm over rows");
   m.def("quantize_uint8_shifted", &quantize_uint8_shifted, "per-row int8 codes + 128 as uint8, and fp32 scales");
   m.def("silu_mul", &silu_mul, "up * silu(gate) over [gate | up] rows");
+  m.def("scale_rows", &scale_rows, "bf16(acc * xs) per row: an int8 linear's dequantization");
   m.def("rope_cache", &rope_cache, "rotary q and k of one token per sequence; k, v written to the cache");
   m.attr("vector_attention") = kVectorAttention;
   m.attr("int8_gemm") = kInt8Gemm;  // the instruction set of the int8 GEMM, "" where there is none
