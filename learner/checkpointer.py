@@ -24,6 +24,13 @@ from qurl.outputs.report import write_summary
 log = logging.getLogger("learner")
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No inf or NaN in `t`, from its min and max (NaN propagates): one pass and no temporary, where
+    isfinite(t).all() wrote a bool copy of every weight before each push (SmolLM2: 0.44 s against 0.04 s a step,
+    one AMX Xeon thread; 6% of the learning recipe's learner time)."""
+    return t.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
+
+
 @dataclass
 class TrainState:
     """What a checkpoint carries besides tensors: the learner's position and its counters (its data cursor)."""
@@ -94,12 +101,7 @@ class Checkpointer:
         """Collective: one pass over the local shards, so that inf / NaN weights never reach a push, checkpoint
         or hf/."""
         bad = torch.tensor(
-            [
-                sum(
-                    int(not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
-                    for p in model.parameters()
-                )
-            ]
+            [sum(int(not all_finite(p.to_local() if isinstance(p, DTensor) else p)) for p in model.parameters())]
         )
         dist.all_reduce(bad)
         if not bad.item():

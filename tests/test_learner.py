@@ -721,3 +721,16 @@ def test_eval_schedule_final_switch_and_no_second_eval_of_resumed_weights():
     segmented.resumed_at = 8  # a segment that stopped at 8 evaluated those weights before its checkpoint
     assert due(segmented) == [0, 4, 12]
     assert due(Evaluation(None, None, "int8", every=4, steps=10)) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_finite_finds_one_bad_element_anywhere(dtype):
+    from learner.checkpointer import all_finite
+
+    t = torch.randn(300, 7).to(dtype)
+    assert all_finite(t) and all_finite(t[:0])  # an FSDP2 shard may be empty
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in ((0, 0), (150, 3), (299, 6)):
+            u = t.clone()
+            u[where] = bad
+            assert not all_finite(u), (bad, where)
