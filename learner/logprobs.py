@@ -61,22 +61,38 @@ class _ChunkedLogprob(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad = grad.reshape(-1).float()
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for s in range(0, hidden.shape[0], ctx.rows):
+        starts = range(0, hidden.shape[0], ctx.rows)
+        # one chunk (the CPU recipes' steps): its product is the gradient, with no fp32 sum to add it into
+        sum_w = need_w and len(starts) > 1
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if sum_w else None
+        for s in starts:
             h, g = hidden[s : s + ctx.rows], grad[s : s + ctx.rows, None]
             # d logp / d logits = onehot(t) - softmax, times the incoming gradient, then / T (the forward's division)
-            d = _logits(h, weight, ctx.temperature).sub_(lse[s : s + ctx.rows, None]).exp_().mul_(-g)
+            d = _shifted_logits(h, weight, ctx.temperature, lse[s : s + ctx.rows, None]).exp_().mul_(-g)
             d.scatter_add_(-1, targets[s : s + ctx.rows, None], g)
             if ctx.temperature > 0 and ctx.temperature != 1:
                 d = d.div_(ctx.temperature)
             d = d.to(weight.dtype)  # the dense path's grad enters the head matmul in the matmul's dtype too
             if need_h:
                 grad_h[s : s + ctx.rows] = d @ weight
-            if need_w and d.dtype == torch.float32:
+            if need_w and not sum_w:
+                grad_w = d.t() @ h
+            elif need_w and d.dtype == torch.float32:
                 grad_w.addmm_(d.t(), h)
             elif need_w:  # the chunk's product in the matmul's dtype, summed over chunks in fp32
                 grad_w.add_(d.t() @ h)
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+
+
+def _shifted_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, lse: torch.Tensor) -> torch.Tensor:
+    """_logits(...) - lse, as fp32. Unscaled 16-bit logits promote in the subtraction itself: one pass over the
+    chunk where .float() then .sub_() made two (the values are the same: bf16 -> fp32 is exact)."""
+    if temperature > 0 and temperature != 1:
+        return _logits(hidden, weight, temperature).sub_(lse)
+    logits = F.linear(hidden, weight)
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        return torch.sub(logits, lse)
+    return logits.float().sub_(lse)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
