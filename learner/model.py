@@ -6,6 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
@@ -52,13 +53,16 @@ def bf16_training(precision: str, device: torch.device) -> bool:
 
 
 def shard(model: nn.Module, bf16: bool) -> nn.Module:
-    """FSDP2: one unit per decoder layer, the root holding embeddings, final norm and lm_head."""
+    """FSDP2: one unit per decoder layer, the root holding embeddings, final norm and lm_head. One rank keeps each
+    layer's unsharded (bf16) parameters from forward to backward: resharding there frees nothing and costs a second
+    unshard and cast per layer (SmolLM2 on one AMX Xeon thread: a 940-token step 4.0 s against 4.4-4.7 s)."""
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
+    reshard = not dist.is_initialized() or dist.get_world_size() > 1
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
     return model
 
 
