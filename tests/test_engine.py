@@ -212,6 +212,30 @@ def test_one_step_prefills_a_bounded_number_of_prompt_tokens(family_model, monke
     assert len(finished) == 6 and all(finished[i].token_ids == want.samples[0].token_ids for i in range(5))
 
 
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_prefill_many_equals_one_prompt_at_a_time(family_model, quant):
+    """Prompts of different lengths prefilled together, right-padded, into slots that are not adjacent: the same
+    last-position logits and cache rows as one prompt per forward (a one-step admission prefills them together)."""
+    _, path, _ = family_model
+    engine = load_engine(path, quant=quant, device=DEVICE, max_batch=6, max_seq_len=64)
+    model, prompts, slots = engine.model, [PROMPTS[0] * 2, [7], PROMPTS[1]], [0, 3, 5]
+    one = [model.prefill(torch.tensor(p), engine.k_cache, engine.v_cache, s) for p, s in zip(prompts, slots)]
+    rows = [
+        (engine.k_cache[:, s, :, : len(p)].clone(), engine.v_cache[:, s, :, : len(p)].clone())
+        for p, s in zip(prompts, slots)
+    ]
+    engine.k_cache.zero_(), engine.v_cache.zero_()
+    lengths = [len(p) for p in prompts]
+    padded = torch.zeros(3, max(lengths), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        padded[i, : len(p)] = torch.tensor(p)
+    many = model.prefill_many(padded, lengths, engine.k_cache, engine.v_cache, slots)
+    for i, (p, s) in enumerate(zip(prompts, slots)):
+        torch.testing.assert_close(many[i], one[i], atol=1e-5, rtol=0)
+        torch.testing.assert_close(engine.k_cache[:, s, :, : len(p)], rows[i][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(engine.v_cache[:, s, :, : len(p)], rows[i][1], atol=1e-5, rtol=0)
+
+
 def test_run_to_completion_calls_on_sample_once_per_finished_sample(family_model):
     _, path, _ = family_model
     engine = load_engine(path, quant="none", device=DEVICE, max_batch=2, max_seq_len=64)

@@ -281,21 +281,31 @@ class Transformer:
 
     def prefill(self, tokens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int) -> torch.Tensor:
         """Run a prompt [T] into cache slot `slot` (positions 0..T-1); return the last position's logits [V]."""
+        return self.prefill_many(tokens[None], [tokens.shape[0]], k_cache, v_cache, [slot])[0]
+
+    def prefill_many(
+        self, tokens: torch.Tensor, lengths: list[int], k_cache: torch.Tensor, v_cache: torch.Tensor, slots: list[int]
+    ) -> torch.Tensor:
+        """Run P prompts, right-padded into tokens [P, T], into cache slots `slots` (positions 0..T-1); return each
+        one's logits at its last position [P, V]. One forward for all of them: each weight is streamed once for the
+        P prompts, not once per prompt (under the causal mask no real token sees the pads after it)."""
         cfg = self.cfg
-        t = tokens.shape[0]
-        cos, sin = self.cos[:t, None], self.sin_signed[:t, None]
-        h = F.embedding(tokens, self.embed)
+        p, t = tokens.shape
+        cos = self.cos[:t].repeat(p, 1)[:, None]  # rows are prompt-major: position = row % t
+        sin = self.sin_signed[:t].repeat(p, 1)[:, None]
+        where = torch.tensor(slots, device=tokens.device)
+        h = F.embedding(tokens.reshape(-1), self.embed)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, rms_norm(h, layer.input_norm, cfg.rms_norm_eps), cos, sin)
-            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, T, hd]
-            k_cache[i, slot, :, :t] = k
-            v_cache[i, slot, :, :t] = v
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=self.scale, enable_gqa=True
-            )
-            h = h + layer.o(o[0].transpose(0, 1).reshape(t, self.q_size))
+            q = q.unflatten(0, (p, t)).transpose(1, 2)  # [P, heads, T, hd]
+            k, v = k.unflatten(0, (p, t)).transpose(1, 2), v.unflatten(0, (p, t)).transpose(1, 2)
+            k_cache[i, :, :, :t].index_copy_(0, where, k)
+            v_cache[i, :, :, :t].index_copy_(0, where, v)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            h = h + layer.o(o.transpose(1, 2).reshape(p * t, self.q_size))
             h = self._mlp(layer, h)
-        return self.logits(h[-1:])[0]
+        last = torch.tensor(lengths, device=tokens.device) - 1 + torch.arange(p, device=tokens.device) * t
+        return self.logits(h[last])
 
     def decode(
         self,

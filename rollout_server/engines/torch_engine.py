@@ -157,37 +157,44 @@ class TorchEngine:
         one token for every active sequence."""
         finished: list[tuple[Hashable, int, Completion]] = []
         done: list[tuple[int, str]] = []  # (slot, finish reason)
-        prefilled = 0
-        while self._waiting and len(self._active) < self.max_batch and prefilled < PREFILL_TOKENS_PER_STEP:
-            prefilled += self._admit(done)
+        if self._waiting and len(self._active) < self.max_batch:
+            self._admit(done)
         self._release(done, finished)
         if self._active:
             self._decode(done)
             self._release(done, finished)
         return finished
 
-    def _admit(self, done: list[tuple[int, str]]) -> int:
-        """Prefill the first waiting request into as many free slots as it has samples left; return its length."""
-        entry = self._waiting[0]
-        request_id, req, first = entry
-        k = min(self.max_batch - len(self._active), req.n - first)
-        slot = len(self._active)
-        prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
-        logits = self.model.prefill(prompt, self.k_cache, self.v_cache, slot)
-        t = len(req.prompt_ids)
-        if k > 1:
-            self.k_cache[:, slot + 1 : slot + k, :, :t] = self.k_cache[:, slot : slot + 1, :, :t]
-            self.v_cache[:, slot + 1 : slot + k, :, :t] = self.v_cache[:, slot : slot + 1, :, :t]
-        seqs = []
-        for index in range(first, first + k):
-            seed = sample_seed(req.seed, index) if req.seed is not None else self._rng.getrandbits(63)
-            seqs.append(_Seq(request_id, index, req, torch.Generator().manual_seed(seed), t))
-        self._active.extend(seqs)
-        self._sample(logits.expand(k, -1), seqs, slot, done)
-        entry[2] += k
-        if entry[2] == req.n:
+    def _admit(self, done: list[tuple[int, str]]) -> None:
+        """Prefill waiting requests, in order, into as many free slots as their samples need, together in one forward
+        (up to PREFILL_TOKENS_PER_STEP prompt tokens; the first always goes in)."""
+        picked: list[tuple[list, int, int]] = []  # (waiting entry, samples admitted, first slot)
+        slot, tokens = len(self._active), 0
+        for entry in self._waiting:
+            if slot >= self.max_batch or tokens >= PREFILL_TOKENS_PER_STEP:
+                break
+            k = min(self.max_batch - slot, entry[1].n - entry[2])
+            picked.append((entry, k, slot))
+            slot, tokens = slot + k, tokens + len(entry[1].prompt_ids)
+        lengths = [len(entry[1].prompt_ids) for entry, _, _ in picked]
+        prompts = torch.zeros(len(picked), max(lengths), dtype=torch.long, device=self.device)  # right-padded
+        for row, (entry, _, _) in enumerate(picked):
+            prompts[row, : lengths[row]] = torch.tensor(entry[1].prompt_ids, dtype=torch.long)
+        logits = self.model.prefill_many(prompts, lengths, self.k_cache, self.v_cache, [s for _, _, s in picked])
+        for (entry, k, slot), t, row in zip(picked, lengths, logits):
+            request_id, req, first = entry
+            if k > 1:
+                self.k_cache[:, slot + 1 : slot + k, :, :t] = self.k_cache[:, slot : slot + 1, :, :t]
+                self.v_cache[:, slot + 1 : slot + k, :, :t] = self.v_cache[:, slot : slot + 1, :, :t]
+            seqs = []
+            for index in range(first, first + k):
+                seed = sample_seed(req.seed, index) if req.seed is not None else self._rng.getrandbits(63)
+                seqs.append(_Seq(request_id, index, req, torch.Generator().manual_seed(seed), t))
+            self._active.extend(seqs)
+            self._sample(row.expand(k, -1), seqs, slot, done)
+            entry[2] += k
+        while self._waiting and self._waiting[0][2] == self._waiting[0][1].n:
             self._waiting.popleft()
-        return t
 
     def _decode(self, done: list[tuple[int, str]]) -> None:
         seqs = self._active
