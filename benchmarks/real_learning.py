@@ -34,13 +34,14 @@ from qurl.outputs.report import read_metrics  # noqa: E402
 
 CONFIG = str(ROOT / "configs" / "smollm2-gym-cpu.yaml")
 NO_SCALING = ["quant.invariant_scaling.s=1.0"]
+FULL_PRECISION = ["rollout.quant=none", "quant.lm_head=false", *NO_SCALING]  # the recipe's int8 head needs int8
 FOUR_BIT = ["quant.weight_bits=4"]  # the stress regime: int8 codes on a 4-bit grid (a mismatch study knob)
 CONFIGS: dict[str, list[str]] = {
     "int8-acr-s1.5": [],  # the recipe itself: INT8 W8A8 rollout, ACR, invariant scaling s = 1.5, int8 lm_head
-    "bf16": ["rollout.quant=none", "rollout.dtype=bfloat16", *NO_SCALING],
+    "bf16": ["rollout.dtype=bfloat16", *FULL_PRECISION],
     "int8-ppo": ["algo.loss=ppo", *NO_SCALING],  # naive: no correction for the mismatch
     "int8-acr-s1.5-all": ["algo.dynamic_sampling=false"],  # the recipe training on every group, mixed or not
-    "fp32": ["rollout.quant=none", "rollout.dtype=float32", *NO_SCALING],  # full precision where bf16 is emulated
+    "fp32": ["rollout.dtype=float32", *FULL_PRECISION],  # full precision where bf16 is emulated
     # the recipe before 2026-12-05's eighth session, which the earlier runs measured: fp32 activations and lm_head
     "int8-fp32-act": ["rollout.dtype=float32", "quant.lm_head=false"],
     # issue 32's comparison of the corrections (docs/algorithms.md), INT8 rollout, then 4-bit weights

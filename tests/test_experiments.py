@@ -126,6 +126,16 @@ def test_run_state_and_settings_guard(tmp_path):
         demo_runs._claim(other)
 
 
+def test_every_real_learning_config_is_a_valid_config():
+    """Each comparison run is the recipe with a few keys changed: all of them must pass the config checks (the bf16
+    and fp32 runs once kept the recipe's int8 lm_head and stopped at start)."""
+    import real_learning
+
+    for name, overrides in real_learning.CONFIGS.items():
+        cfg = load_config(real_learning.CONFIG, [*overrides, *real_learning.QUIET], check_paths=False)
+        assert cfg.rollout.quant == ("none" if name in ("bf16", "fp32") else "int8"), name
+
+
 def test_real_learning_clock_counts_the_wait_for_rollouts(tmp_path):
     import real_learning
 
