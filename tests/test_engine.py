@@ -408,3 +408,15 @@ def test_throughput_benchmark_quick(tmp_path):
     assert DEVICE != "cpu" or limit["gemm_only_share_of_limit"] > 0  # the GEMM share is profiled on the CPU only
     heads = {r["config"]: r["weight_bytes_per_step"] for r in rows if r["batch"] == 4 and "weight_bytes_per_step" in r}
     assert heads["int8+head"] < heads["int8"] < heads["fp32"] and heads["bf16"] * 2 == heads["fp32"]
+
+
+def test_admission_prefills_in_runs_of_similar_length():
+    """Each padded prefill batch stays within PAD_WASTE of its real tokens; every admitted prompt is in one run."""
+    from rollout_server.engines.torch_engine import PAD_WASTE, _similar_lengths
+
+    lengths = [45] * 8 + [250, 240, 3, 47]
+    runs = _similar_lengths(lengths)
+    assert sorted(i for run in runs for i in run) == list(range(len(lengths)))
+    for run in runs:
+        assert max(lengths[i] for i in run) * len(run) <= PAD_WASTE * sum(lengths[i] for i in run)
+    assert len(runs) == 3  # the 3-token prompt, the ~45-token ones, the long two
