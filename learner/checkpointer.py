@@ -26,8 +26,8 @@ log = logging.getLogger("learner")
 
 def all_finite(t: torch.Tensor) -> bool:
     """No inf or NaN in `t`, from its min and max (NaN propagates): one pass and no temporary, where
-    isfinite(t).all() wrote a bool copy of every weight before each push (SmolLM2: 0.44 s against 0.04 s a step,
-    one AMX Xeon thread; 6% of the learning recipe's learner time)."""
+    isfinite(t).all() wrote a bool copy of every weight before each push (SmolLM2's tensor shapes: 0.44 s against
+    0.04 s a push, one AMX Xeon thread; 6% of the learning recipe's learner time in a py-spy profile)."""
     return t.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
 
 

@@ -91,8 +91,8 @@ class PolicyStep:
         env: DistEnv,
     ) -> None:
         self.model, self.reference, self.train_cfg, self.algo, self.env = model, reference, train, algo, env
-        # fused: one kernel per parameter, 3.7x the per-tensor loop's speed on CPU (SmolLM2, one AMX Xeon thread:
-        # 0.14 s against 0.52 s a step), within an ulp of it
+        # fused: one kernel per parameter, 3.7x the per-tensor loop's speed on CPU (SmolLM2's tensor shapes, 128M
+        # parameters, one AMX Xeon thread: 0.14 s against 0.52 s a step), within an ulp of it
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay, fused=True)
         self.loss_spec = LossSpec.from_config(algo)
         self.rejects = pieces(self.loss_spec).mask.name != "none"  # its denominator needs pi_prox before a backward

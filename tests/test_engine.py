@@ -219,7 +219,10 @@ def test_prefill_many_equals_one_prompt_at_a_time(family_model, quant):
     _, path, _ = family_model
     engine = load_engine(path, quant=quant, device=DEVICE, max_batch=6, max_seq_len=64)
     model, prompts, slots = engine.model, [PROMPTS[0] * 2, [7], PROMPTS[1]], [0, 3, 5]
-    one = [model.prefill(torch.tensor(p), engine.k_cache, engine.v_cache, s) for p, s in zip(prompts, slots)]
+    one = [
+        model.prefill_many(torch.tensor([p]), [len(p)], engine.k_cache, engine.v_cache, [s])[0]
+        for p, s in zip(prompts, slots)
+    ]
     rows = [
         (engine.k_cache[:, s, :, : len(p)].clone(), engine.v_cache[:, s, :, : len(p)].clone())
         for p, s in zip(prompts, slots)

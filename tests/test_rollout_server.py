@@ -212,7 +212,8 @@ def engine_logprobs(engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
     """Teacher-forced engine logprobs: a full-sequence (prefill) forward of every prefix, not the decode path."""
     out = []
     for j, tok in enumerate(tokens):
-        logits = engine.model.prefill(torch.tensor(prompt + tokens[:j]), engine.k_cache, engine.v_cache, 0)
+        seq = prompt + tokens[:j]
+        logits = engine.model.prefill_many(torch.tensor([seq]), [len(seq)], engine.k_cache, engine.v_cache, [0])[0]
         out.append(torch.log_softmax(logits / TEMP, -1)[tok].item())
     return np.array(out)
 

@@ -279,10 +279,6 @@ class Transformer:
         x = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         return (dense_linear(x, self.lm_head) if self.head is None else self.head(x)).float()
 
-    def prefill(self, tokens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int) -> torch.Tensor:
-        """Run a prompt [T] into cache slot `slot` (positions 0..T-1); return the last position's logits [V]."""
-        return self.prefill_many(tokens[None], [tokens.shape[0]], k_cache, v_cache, [slot])[0]
-
     def prefill_many(
         self, tokens: torch.Tensor, lengths: list[int], k_cache: torch.Tensor, v_cache: torch.Tensor, slots: list[int]
     ) -> torch.Tensor:
