@@ -16,11 +16,17 @@ to bf16 (with kernels) in the same round.
     python benchmarks/decode.py [--models smollm2,qwen2-150m] [--batches 16,64] [--rounds 3] [--out FILE] [--quick]
     python benchmarks/decode.py --gemm [--out FILE]   # the kernels' int8 GEMM against oneDNN, 1-256 rows
     python benchmarks/decode.py --apply [--models smollm2] [--threads 1] [--out FILE]   # one push's re-derivations
+    python benchmarks/decode.py --attention [--out FILE]   # the kernels' decode attention against SDPA
 
 --apply: what a push costs the int8+bf16+head engine after its bytes are written (TorchEngine.apply_delta's
 model.repack, and the checksum), by part: oneDNN's re-pack of every int8 linear (and, beside it, the CPU kernels'
 own pack of the same codes), the int8 lm_head's requantization (by the CPU kernel, as the engine does, and by torch
 operators, side by side) and its re-pack. One part after another per round, medians over --rounds.
+
+--attention: decode attention at the decode step's shapes (ATTENTION_SHAPES), the CPU kernel against SDPA with the
+additive mask (what the engine runs without the kernels), bf16 and fp32 caches, each layer's cache its own tensor as
+in a decode step (so that one step's caches stream from memory where they exceed the last-level cache), sequence
+lengths spread over [keys / 2, keys]; milliseconds per layer, and bytes/s of keys and values read.
 
 --quick: a 2-layer random Qwen2 (`tiny`), batch 4, 8 new tokens, one round (the test's run).
 """
@@ -252,6 +258,55 @@ def apply_parts(model: str, rounds: int) -> dict:
     return out
 
 
+# (kv heads, query heads per kv head, head dim, layers timed, batch, keys): SmolLM2-135M's attention at the decode
+# benchmark's batches, and Qwen2-7B's (28 heads over 4 kv heads of 128) at the GPU recipes' answer lengths
+ATTENTION_SHAPES = {
+    "smollm2-b16": (3, 3, 64, 30, 16, 200),
+    "smollm2-b64": (3, 3, 64, 30, 64, 200),
+    "qwen2-7b-b16": (4, 7, 128, 4, 16, 2000),
+}
+
+
+def attention_rows(rounds: int) -> list[dict]:
+    """Decode attention per layer, kernel against SDPA, medians over `rounds` passes over every layer."""
+    import torch.nn.functional as F
+
+    kernel = cpu_kernels.kernels()
+    rows = []
+    for name, (kvh, g, d, layers, b, keys) in ATTENTION_SHAPES.items():
+        gen = torch.Generator().manual_seed(0)
+        lengths = torch.randint(keys // 2, keys + 1, (b,), generator=gen)
+        length = int(lengths.max())
+        mask = torch.where(torch.arange(length)[None] < lengths[:, None], 0.0, -torch.inf)[:, None, None]
+        for dtype in (torch.bfloat16, torch.float32):
+            caches = [
+                tuple(torch.randn(b, kvh, length, d, generator=gen).to(dtype) for _ in "kv") for _ in range(layers)
+            ]
+            q = torch.randn(b, kvh, g, d, generator=gen).to(dtype)
+            m = mask.to(dtype)
+            ways = {
+                "kernel": lambda k, v: kernel.decode_attention(q, k, v, lengths, d**-0.5),
+                "sdpa": lambda k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=d**-0.5),
+            }
+            times = {w: [] for w in ways}
+            for _ in range(rounds + 1):  # the first pass warms up
+                for w, f in ways.items():
+                    t = time.perf_counter()
+                    for k, v in caches:
+                        f(k, v)
+                    times[w].append((time.perf_counter() - t) / layers)
+            per_layer = {w: statistics.median(ts[1:]) for w, ts in times.items()}
+            read = 2 * int(lengths.sum()) * kvh * d * caches[0][0].element_size()
+            row = {"shape": name, "dtype": str(dtype).removeprefix("torch."), "batch": b, "keys_max": keys}
+            row |= {"kv_heads": kvh, "group": g, "head_dim": d, "layers": layers}
+            row |= {f"{w}_ms_per_layer": round(s * 1e3, 4) for w, s in per_layer.items()}
+            row["kernel_bytes_per_s"] = round(read / per_layer["kernel"])
+            row["kernel_vs_sdpa"] = round(per_layer["sdpa"] / per_layer["kernel"], 2)
+            rows.append(row)
+            print("attention", row, file=sys.stderr, flush=True)
+    return rows
+
+
 def prompts_for(model_name: str, tmp: str, batch: int) -> tuple[str, list[list[int]]]:
     if model_name == "smollm2":
         return smollm2_prompts(batch)
@@ -274,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--gemm", action="store_true", help="only the int8 GEMM against oneDNN at SmolLM2's shapes")
     ap.add_argument("--apply", action="store_true", help="only what one push costs the int8+bf16+head engine, by part")
+    ap.add_argument("--attention", action="store_true", help="only decode attention, the kernel against SDPA")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.batches, args.rounds, args.new_tokens = "tiny", "4", 1, 8
@@ -286,6 +342,13 @@ def main(argv: list[str] | None = None) -> dict:
             for model_name in args.models.split(","):
                 model, _ = prompts_for(model_name, tmp, 2)
                 result["rows"].append({"model": model_name, **apply_parts(model, max(args.rounds, 1))})
+        emit(result, args.out)
+        return result
+    if args.attention:
+        if not cpu_kernels.kernels().vector_attention:
+            raise SystemExit("decode.py --attention: the CPU kernels have no decode attention for this CPU")
+        result = {"benchmark": "decode-attention", "machine": machine_info(), "threads": args.threads}
+        result |= {"stream_bytes_per_s": round(stream_bandwidth()), "rows": attention_rows(max(args.rounds, 1))}
         emit(result, args.out)
         return result
     if args.gemm:

@@ -82,35 +82,50 @@ def test_rope_cache_rotates_q_and_k_and_writes_the_cache(k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_matches_sdpa(k, dtype):
+@pytest.mark.parametrize("g, d", [(3, 64), (7, 128), (2, 48)])  # SmolLM2's heads, Qwen2-7B's, an odd 16-lane count
+def test_decode_attention_matches_sdpa(k, dtype, g, d):
     if not k.vector_attention:
         pytest.skip("decode attention is built only with AVX-512 or AVX2 + FMA; the engine keeps SDPA here")
     torch.manual_seed(4)
-    b, kvh, g, d, t = 5, 3, 3, 64, 300
+    b, kvh, t = 5, 3, 300
     q = torch.randn(b, kvh, g, d, dtype=dtype) * 2
     kc, vc = torch.randn(b + 2, kvh, t, d, dtype=dtype), torch.randn(b + 2, kvh, t, d, dtype=dtype)
     lengths = torch.tensor([1, 17, 230, 16, 229])
     length = int(lengths.max())
     kv = kc[:b, :, :length], vc[:b, :, :length]
     mask = torch.where(torch.arange(length)[None] < lengths[:, None], 0.0, -torch.inf)[:, None, None]
-    exact = F.scaled_dot_product_attention(q.double(), *(x.double() for x in kv), attn_mask=mask.double(), scale=0.125)
-    sdpa = F.scaled_dot_product_attention(q, *kv, attn_mask=mask.to(dtype), scale=0.125)
-    got = k.decode_attention(q, *kv, lengths, 0.125)
+    scale = d**-0.5
+    exact = F.scaled_dot_product_attention(q.double(), *(x.double() for x in kv), attn_mask=mask.double(), scale=scale)
+    sdpa = F.scaled_dot_product_attention(q, *kv, attn_mask=mask.to(dtype), scale=scale)
+    got = k.decode_attention(q, *kv, lengths, scale)
     assert got.dtype == dtype
     # no further from the fp64 result than torch's own kernel (plus one rounding of the output)
     bound = (sdpa.double() - exact).abs().max().item() + (2**-8 if dtype == torch.bfloat16 else 1e-6)
     assert (got.double() - exact).abs().max().item() <= bound
     with pytest.raises(RuntimeError, match="length out of range"):
-        k.decode_attention(q, *kv, torch.tensor([1, 17, 230, 16, length + 1]), 0.125)
+        k.decode_attention(q, *kv, torch.tensor([1, 17, 230, 16, length + 1]), scale)
 
 
-def test_scale_rows_equals_torch_mul_into_bf16(k):
-    """An int8 linear's dequantization into bf16, bit for bit (a short tail included); the oneDNN path takes it."""
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_equals_the_onednn_path_in_torch_ops(k, dtype, bias):
+    """The one-call int8 linear (quantize, oneDNN's GEMM, dequantize + bias) bit for bit against linear.py's torch-op
+    composition of the same steps, a short tail included; the int8 lm_head's fp32 logits too."""
     torch.manual_seed(6)
-    acc, xs = torch.randn(9, 1536 + 7) * 1e3, torch.rand(9, 1) * 1e-2
-    acc[0, :4], xs[0] = torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -0.0]), 1.0  # ties round to even
-    want = torch.mul(acc, xs, out=torch.empty(acc.shape, dtype=torch.bfloat16))
-    assert torch.equal(k.scale_rows(acc, xs), want)
+    n, kk = 1536 + 7, 576
+    codes, scale = quantize_int8(torch.randn(n, kk), dim=-1)
+    tensors = {"w.weight": codes, "w.weight_scale": scale} | ({"w.bias": torch.randn(n)} if bias else {})
+    lin = Int8Linear(["w"], tensors, dtype, torch.device("cpu"))
+    if lin._fused(torch.zeros(1, kk, dtype=dtype)) is None:
+        pytest.skip("oneDNN's int8 GEMM is not exact on this CPU (no VNNI): the linear splits the codes by sign")
+    x = (torch.randn(9, kk) * 3).to(dtype)
+    want = lin._add_bias(lin._int8_onednn(x, dtype), x)
+    got = lin(x)
+    assert got.dtype == dtype and torch.equal(got, want)
+    head = Int8Head(torch.randn(n, kk).to(dtype))
+    assert torch.equal(head(x), head._int8_onednn(x, torch.float32))
+    with pytest.raises(RuntimeError, match="int8_linear bias"):
+        k.int8_linear(x, lin.packed, lin.scale.view(-1), lin.zero_points, torch.zeros(n + 1, dtype=dtype), False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,6 +10,7 @@ WeightOnlyInt8Linear), so a call runs its scheme's kernel without asking which s
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +139,8 @@ class Int8Linear(_RowScaled):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._takes_kernel(x):
             return self._int8_kernel(x, x.dtype, self.bias)
+        if (k := self._fused(x)) is not None:
+            return k.int8_linear(x, self.packed, self.scale.view(-1), self.zero_points, self.bias, False)
         if self.packed is not None and x.dtype != torch.float64:
             return self._add_bias(self._int8_onednn(x, x.dtype), x)
         return self._add_bias(int8_matmul(x, self.weight, self.scale_t), x)
@@ -148,6 +151,12 @@ class Int8Linear(_RowScaled):
             self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
         if self._gemm is not None:
             self.panels, self.compensation = self._gemm.int8_pack(self.weight)
+
+    def _fused(self, x: torch.Tensor) -> ModuleType | None:
+        """The CPU kernels where their int8_linear (the oneDNN path in one call) applies to `x`, else None."""
+        if self.packed is None or self.split or x.dim() != 2 or not x.is_contiguous():
+            return None
+        return usable(x)
 
     def _takes_kernel(self, x: torch.Tensor) -> bool:
         g = self._gemm
@@ -167,9 +176,6 @@ class Int8Linear(_RowScaled):
         acc = _qlinear(xu, 128, self.packed, self.scale.view(-1), self.zero_points)
         if out_dtype == acc.dtype:
             return acc.mul_(xs)
-        k = usable(acc)
-        if k is not None and out_dtype == torch.bfloat16 and acc.dim() == 2:
-            return k.scale_rows(acc, xs)  # one pass: torch.mul into a bf16 out goes through an fp32 temporary
         return torch.mul(acc, xs, out=torch.empty(acc.shape, dtype=out_dtype))  # scaled in fp32, one store
 
     def _int8_onednn_split(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -196,6 +202,8 @@ class Int8Head(Int8Linear):
         """Logits stay in the int32 sums' fp32: no round trip through a bf16 model dtype."""
         if self._takes_kernel(x):
             return self._int8_kernel(x, torch.float32, None)
+        if (k := self._fused(x)) is not None:
+            return k.int8_linear(x, self.packed, self.scale.view(-1), self.zero_points, None, True)
         if self.packed is not None and x.dtype != torch.float64:
             return self._int8_onednn(x, torch.float32)
         return int8_matmul(x, self.weight, self.scale_t)

@@ -3,10 +3,12 @@
 // (rows = sequences in the batch). Semantics match rollout_server/engines/model.py and qurl/quant/absmax.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -172,77 +174,151 @@ inline __m512 sum16(__m512* v) {
 
 constexpr bool kVectorAttention = true;
 
-// one new token per sequence: q [B, KV, G, D]; k, v [B, KV, >=L, D] (last dim contiguous, D a multiple of 16);
+// s[l] = dot(l) * scale for l < len, 16 keys at a time: their dot products as 16 vectors, summed across at once
+template <typename Dot>
+inline void scores_by_block(int64_t len, float scale, float* s, const Dot& dot) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t l0 = 0; l0 < len; l0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - l0);
+    __m512 part[16];
+    for (int64_t j = 0; j < 16; ++j) part[j] = j < n ? dot(l0 + j) : _mm512_setzero_ps();
+    _mm512_storeu_ps(s + l0, _mm512_mul_ps(sum16(part), sc));
+  }
+}
+
+// one (sequence, kv head) task's scores: its G query rows qf [G, D] (fp32, scaled) against keys kt[l * ks2], l < len,
+// into s [G][padded]
+template <typename T, int C16>
+void scores_fp32(const float* qf, int64_t g, const T* kt, int64_t ks2, int64_t len, int64_t padded, float* s) {
+  for (int64_t gi = 0; gi < g; ++gi) {
+    __m512 row[C16];
+    for (int c = 0; c < C16; ++c) row[c] = _mm512_loadu_ps(qf + (gi * C16 + c) * 16);
+    scores_by_block(len, 1.f, s + gi * padded, [&](int64_t l) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < C16; ++c) acc = _mm512_fmadd_ps(row[c], load16(kt + l * ks2 + 16 * c), acc);
+      return acc;
+    });
+  }
+}
+
+#if defined(__AVX512BF16__)
+// the same scores for bf16 q and keys by vdpbf16ps: bf16 products are exact in fp32 and summed in fp32, so the keys
+// are read as they are stored, never widened (G times per key in scores_fp32); the scale multiplies the sums
+template <int C16>
+void scores_bf16(const c10::BFloat16* qt, int64_t g, float scale, const c10::BFloat16* kt, int64_t ks2, int64_t len,
+                 int64_t padded, float* s) {
+  constexpr int C32 = C16 / 2;
+  for (int64_t gi = 0; gi < g; ++gi) {
+    __m512bh row[C32];
+    for (int c = 0; c < C32; ++c) row[c] = (__m512bh)_mm512_loadu_si512(qt + (gi * C32 + c) * 32);
+    scores_by_block(len, scale, s + gi * padded, [&](int64_t l) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < C32; ++c) {
+        acc = _mm512_dpbf16_ps(acc, row[c], (__m512bh)_mm512_loadu_si512(kt + l * ks2 + 32 * c));
+      }
+      return acc;
+    });
+  }
+}
+#endif
+
+// out [G, D] = p [G][padded] times values vt[l * vs2], l < len: each value row is read (and widened) once for R query
+// rows at a time, whose R x D sums stay in 16 registers
+template <typename T, int C16>
+void weighted_values(const float* p, int64_t g, int64_t padded, const T* vt, int64_t vs2, int64_t len, T* out) {
+  constexpr int R = C16 >= 16 ? 1 : 16 / C16;
+  for (int64_t g0 = 0; g0 < g; g0 += R) {
+    const int64_t nr = std::min<int64_t>(R, g - g0);
+    __m512 a[R][C16];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C16; ++c) a[r][c] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < len; ++l) {
+      const T* vr = vt + l * vs2;
+      __m512 vv[C16];
+      for (int c = 0; c < C16; ++c) vv[c] = load16(vr + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        if (r < nr) {
+          const __m512 pv = _mm512_set1_ps(p[(g0 + r) * padded + l]);
+          for (int c = 0; c < C16; ++c) a[r][c] = _mm512_fmadd_ps(pv, vv[c], a[r][c]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r)
+      for (int c = 0; c < C16; ++c) store16(out + (g0 + r) * C16 * 16 + 16 * c, a[r][c]);
+  }
+}
+
+// scores -> probabilities in place, per query row: the max, e^(s - max) and their sum over the len real keys
+inline void softmax_rows(float* s, int64_t g, int64_t len, int64_t padded) {
+  for (int64_t gi = 0; gi < g; ++gi) {
+    float* sg = s + gi * padded;
+    std::fill(sg + len, sg + padded, sg[0]);  // the tail's lanes: a real score, so they never set the max
+    __m512 m = _mm512_set1_ps(sg[0]);
+    for (int64_t l = 0; l < padded; l += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + l));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t l = 0; l < padded; l += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + l), mx));
+      _mm512_storeu_ps(sg + l, e);
+      if (l + 16 <= len) {
+        sum = _mm512_add_ps(sum, e);
+      } else {
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps((__mmask16)((1u << (len - l)) - 1), e));
+      }
+    }
+    const float inv = 1.f / _mm512_reduce_add_ps(sum);
+    for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
+  }
+}
+
+// one new token per sequence: q [B, KV, G, D]; k, v [B, KV, >=L, D] (last dim contiguous, D = 16 * C16);
 // lengths [B] keys each sequence sees. Scores, softmax and the weighted sum of v in fp32; out in q's dtype.
-template <typename T>
-void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const int64_t* lengths, float scale, at::Tensor& out) {
-  const int64_t b = q.size(0), kvh = q.size(1), g = q.size(2), d = q.size(3), c16 = d / 16;
+template <typename T, int C16>
+void decode_attention_d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lengths,
+                        float scale, at::Tensor& out) {
+  constexpr int64_t d = 16 * C16;
+  const int64_t kvh = q.size(1), g = q.size(2);
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  for_attention_tasks(b, kvh, g * d, lengths, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g * d), acc(g * d), scores;
-    std::vector<__m512> row(c16);
+  for_attention_tasks(q.size(0), kvh, g * d, lengths, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * d), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bi = task / kvh, h = task % kvh, len = lengths[bi], padded = (len + 15) / 16 * 16;
       const T* qt = qp + task * g * d;
-      for (int64_t i = 0; i < g * d; ++i) qf[i] = load(qt, i) * scale;
-      scores.resize(g * padded);
       const T* kt = kp + bi * ks0 + h * ks1;
-      for (int64_t gi = 0; gi < g; ++gi) {
-        const float* qg = qf.data() + gi * d;
-        for (int64_t c = 0; c < c16; ++c) row[c] = _mm512_loadu_ps(qg + 16 * c);
-        for (int64_t l0 = 0; l0 < len; l0 += 16) {  // 16 keys' dot products as 16 vectors, summed across at once
-          __m512 part[16];
-          for (int64_t j = 0; j < 16; ++j) {
-            part[j] = _mm512_setzero_ps();
-            if (l0 + j < len) {
-              const T* kr = kt + (l0 + j) * ks2;
-              for (int64_t c = 0; c < c16; ++c) part[j] = _mm512_fmadd_ps(row[c], load16(kr + 16 * c), part[j]);
-            }
-          }
-          _mm512_storeu_ps(scores.data() + gi * padded + l0, sum16(part));
-        }
+      scores.resize(g * padded);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16> && C16 % 2 == 0) {
+        scores_bf16<C16>(qt, g, scale, kt, ks2, len, padded, scores.data());
+      } else
+#endif
+      {
+        for (int64_t i = 0; i < g * d; ++i) qf[i] = load(qt, i) * scale;
+        scores_fp32<T, C16>(qf.data(), g, kt, ks2, len, padded, scores.data());
       }
-      for (int64_t gi = 0; gi < g; ++gi) {
-        float* sg = scores.data() + gi * padded;
-        std::fill(sg + len, sg + padded, sg[0]);  // the tail's lanes: a real score, so they never set the max
-        __m512 m = _mm512_set1_ps(sg[0]);
-        for (int64_t l = 0; l < padded; l += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + l));
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t l = 0; l < padded; l += 16) {
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + l), mx));
-          _mm512_storeu_ps(sg + l, e);
-          if (l + 16 <= len) {
-            sum = _mm512_add_ps(sum, e);
-          } else {
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps((__mmask16)((1u << (len - l)) - 1), e));
-          }
-        }
-        const float inv = 1.f / _mm512_reduce_add_ps(sum);
-        for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
-      }
-      const T* vt = vp + bi * vs0 + h * vs1;
-      for (int64_t gi = 0; gi < g; ++gi) {  // each query row's sum in registers: at most 8 x 16 lanes (D <= 128)
-        __m512 a[8];
-        for (int64_t c = 0; c < c16; ++c) a[c] = _mm512_setzero_ps();
-        const float* pg = scores.data() + gi * padded;
-        for (int64_t l = 0; l < len; ++l) {
-          const __m512 pv = _mm512_set1_ps(pg[l]);
-          const T* vr = vt + l * vs2;
-          for (int64_t c = 0; c < c16; ++c) a[c] = _mm512_fmadd_ps(pv, load16(vr + 16 * c), a[c]);
-        }
-        for (int64_t c = 0; c < c16; ++c) _mm512_storeu_ps(acc.data() + gi * d + 16 * c, a[c]);
-      }
-      T* ot = op + task * g * d;
-      for (int64_t i = 0; i < g * d; ++i) ot[i] = store<T>(acc[i]);
+      softmax_rows(scores.data(), g, len, padded);
+      weighted_values<T, C16>(scores.data(), g, padded, vp + bi * vs0 + h * vs1, vs2, len, op + task * g * d);
     }
   });
+}
+
+template <typename T>
+void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const int64_t* lengths, float scale, at::Tensor& out) {
+  switch (q.size(3) / 16) {  // D a multiple of 16 up to 128 (decode_attention's check)
+    case 1: return decode_attention_d<T, 1>(q, k, v, lengths, scale, out);
+    case 2: return decode_attention_d<T, 2>(q, k, v, lengths, scale, out);
+    case 3: return decode_attention_d<T, 3>(q, k, v, lengths, scale, out);
+    case 4: return decode_attention_d<T, 4>(q, k, v, lengths, scale, out);
+    case 5: return decode_attention_d<T, 5>(q, k, v, lengths, scale, out);
+    case 6: return decode_attention_d<T, 6>(q, k, v, lengths, scale, out);
+    case 7: return decode_attention_d<T, 7>(q, k, v, lengths, scale, out);
+    default: return decode_attention_d<T, 8>(q, k, v, lengths, scale, out);
+  }
 }
 
 #if defined(__AVX512VNNI__)
@@ -602,21 +678,33 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   });
 }
 
-// y = bf16(acc * xs[row]): an int8 linear's dequantization after oneDNN's GEMM applied the weights' scales, in one
-// pass (torch.mul into a bf16 out computes in fp32 and copies: two passes and a temporary)
-void scale_rows_bf16(const float* acc, const float* xs, c10::BFloat16* y, int64_t rows, int64_t n) {
+// y = T(acc * xs[row]), then + bias rounded to T again (torch's add_ into a T tensor): an int8 linear's
+// dequantization after oneDNN's GEMM applied the weights' scales, in one pass
+template <typename T>
+void dequant_rows(const float* acc, const float* xs, const T* bias, T* y, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float s = xs[r];
       const float* a = acc + r * n;
-      c10::BFloat16* o = y + r * n;
+      T* o = y + r * n;
       int64_t i = 0;
 #if defined(__AVX512F__)
-      for (; i + 16 <= n; i += 16) store16(o + i, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_set1_ps(s)));
+      for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_set1_ps(s));
+        if (bias != nullptr) v = _mm512_add_ps(round16(v, T()), load16(bias + i));
+        store16(o + i, v);
+      }
 #elif defined(__AVX2__) && defined(__FMA__)
-      for (; i + 8 <= n; i += 8) store8(o + i, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_set1_ps(s)));
+      for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_set1_ps(s));
+        if (bias != nullptr) v = _mm256_add_ps(round8(v, T()), load8(bias + i));
+        store8(o + i, v);
+      }
 #endif
-      for (; i < n; ++i) o[i] = store<c10::BFloat16>(a[i] * s);
+      for (; i < n; ++i) {
+        const float v = static_cast<float>(store<T>(a[i] * s));
+        o[i] = bias != nullptr ? store<T>(v + load(bias, i)) : store<T>(v);
+      }
     }
   });
 }
@@ -779,13 +867,35 @@ at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
-at::Tensor scale_rows(const at::Tensor& acc, const at::Tensor& xs) {
-  TORCH_CHECK(acc.device().is_cpu() && acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kFloat,
-              "scale_rows acc: a contiguous fp32 [M, N] CPU tensor");
-  TORCH_CHECK(xs.scalar_type() == at::kFloat && xs.is_contiguous() && xs.numel() == acc.size(0),
-              "scale_rows xs: fp32 [M, 1]");
-  auto y = at::empty(acc.sizes(), acc.options().dtype(at::kBFloat16));
-  scale_rows_bf16(acc.data_ptr<float>(), xs.data_ptr<float>(), y.data_ptr<c10::BFloat16>(), acc.size(0), acc.size(1));
+// linear.py's Int8Linear._int8_onednn and _add_bias in one call: x's rows quantized (quant_rows), oneDNN's prepacked
+// u8 x s8 GEMM through the dispatcher (its fp32 sums times w_scales), then dequant_rows into x's dtype, or fp32 for the
+// int8 lm_head; from Python these were five calls, each with its own dispatch, per linear
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scales,
+                       const at::Tensor& w_zero_points, const c10::optional<at::Tensor>& bias, bool fp32_out) {
+  check_rows(x, "int8_linear x");
+  static const c10::OperatorHandle qlinear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
+  auto [xu, xs] = quantize_uint8_shifted(x);
+  torch::jit::Stack stack{xu,      1.0,   int64_t{128},          packed, w_scales, w_zero_points, c10::IValue(), 1.0,
+                          int64_t{0}, at::kFloat, std::string("none"), c10::List<c10::optional<at::Scalar>>(),
+                          std::string("")};
+  qlinear.callBoxed(&stack);
+  const at::Tensor acc = std::move(stack[0]).toTensor();
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.is_contiguous() && rows == x.size(0), "int8_linear: GEMM output");
+  const at::ScalarType out_dtype = fp32_out ? at::kFloat : x.scalar_type();
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == out_dtype && bias->is_contiguous() && bias->numel() == n, "int8_linear bias");
+  }
+  auto y = at::empty({rows, n}, x.options().dtype(out_dtype));
+  const float* a = acc.data_ptr<float>();
+  const float* s = xs.data_ptr<float>();
+  if (out_dtype == at::kFloat) {
+    dequant_rows(a, s, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), rows, n);
+  } else {
+    using B16 = c10::BFloat16;
+    dequant_rows(a, s, bias ? bias->data_ptr<B16>() : nullptr, y.data_ptr<B16>(), rows, n);
+  }
   return y;
 }
 
@@ -879,7 +989,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "HF RMSNorm over rows");
   m.def("quantize_uint8_shifted", &quantize_uint8_shifted, "per-row int8 codes + 128 as uint8, and fp32 scales");
   m.def("silu_mul", &silu_mul, "up * silu(gate) over [gate | up] rows");
-  m.def("scale_rows", &scale_rows, "bf16(acc * xs) per row: an int8 linear's dequantization");
+  m.def("int8_linear", &int8_linear, "an int8 linear by oneDNN's prepacked GEMM: quantize, GEMM, dequantize (+ bias)");
   m.def("rope_cache", &rope_cache, "rotary q and k of one token per sequence; k, v written to the cache");
   m.attr("vector_attention") = kVectorAttention;
   m.attr("int8_gemm") = kInt8Gemm;  // the instruction set of the int8 GEMM, "" where there is none
