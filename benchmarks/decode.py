@@ -28,7 +28,8 @@ additive mask (what the engine runs without the kernels), bf16 and fp32 caches, 
 in a decode step (so that one step's caches stream from memory where they exceed the last-level cache), sequence
 lengths spread over [keys / 2, keys]; milliseconds per layer, and bytes/s of keys and values read.
 
---quick: a 2-layer random Qwen2 (`tiny`), batch 4, 8 new tokens, one round (the test's run).
+--quick: a 2-layer random Qwen2 (`tiny`), batch 4, 8 new tokens, one round (the test's run); with --attention, one
+tiny shape.
 """
 
 from __future__ import annotations
@@ -267,13 +268,13 @@ ATTENTION_SHAPES = {
 }
 
 
-def attention_rows(rounds: int) -> list[dict]:
+def attention_rows(rounds: int, shapes: dict = ATTENTION_SHAPES) -> list[dict]:
     """Decode attention per layer, kernel against SDPA, medians over `rounds` passes over every layer."""
     import torch.nn.functional as F
 
     kernel = cpu_kernels.kernels()
     rows = []
-    for name, (kvh, g, d, layers, b, keys) in ATTENTION_SHAPES.items():
+    for name, (kvh, g, d, layers, b, keys) in shapes.items():
         gen = torch.Generator().manual_seed(0)
         lengths = torch.randint(keys // 2, keys + 1, (b,), generator=gen)
         length = int(lengths.max())
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> dict:
         if not cpu_kernels.kernels().vector_attention:
             raise SystemExit("decode.py --attention: the CPU kernels have no decode attention for this CPU")
         result = {"benchmark": "decode-attention", "machine": machine_info(), "threads": args.threads}
-        result |= {"stream_bytes_per_s": round(stream_bandwidth()), "rows": attention_rows(max(args.rounds, 1))}
+        shapes = {"tiny": (2, 2, 32, 2, 3, 40)} if args.quick else ATTENTION_SHAPES
+        result |= {"stream_bytes_per_s": round(stream_bandwidth()), "rows": attention_rows(max(args.rounds, 1), shapes)}
         emit(result, args.out)
         return result
     if args.gemm:

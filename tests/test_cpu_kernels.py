@@ -252,3 +252,7 @@ def test_decode_benchmark_quick(tmp_path):
     (row,) = apply["rows"]
     assert apply["benchmark"] == "decode-apply" and row["head_shape"] == [512, 128] and row["int8_linears"] == 8
     assert all(row[k] > 0 for k in ("linears_repack_s", "head_quantize_kernel_s", "head_repack_s", "repack_all_s"))
+    if cpu_kernels.kernels().vector_attention:  # --attention: the kernel against SDPA, one tiny shape, both dtypes
+        rows = bench.main(["--attention", "--quick", "--threads", "1"])["rows"]
+        assert [r["dtype"] for r in rows] == ["bfloat16", "float32"]
+        assert all(r["kernel_ms_per_layer"] > 0 and r["kernel_vs_sdpa"] > 0 for r in rows)
