@@ -19,9 +19,9 @@ to bf16 (with kernels) in the same round.
     python benchmarks/decode.py --attention [--out FILE]   # the kernels' decode attention against SDPA
 
 --apply: what a push costs the int8+bf16+head engine after its bytes are written (TorchEngine.apply_delta's
-model.repack, and the checksum), by part: oneDNN's re-pack of every int8 linear (and, beside it, the CPU kernels'
-own pack of the same codes), the int8 lm_head's requantization (by the CPU kernel, as the engine does, and by torch
-operators, side by side) and its re-pack. One part after another per round, medians over --rounds.
+model.repack, and the checksum), by part: every int8 linear's re-packs (oneDNN's, and the CPU kernels' own where
+they have an int8 GEMM; the latter also alone), the int8 lm_head's requantization (by the CPU kernel, as the engine
+does, and by torch operators, side by side) and its re-pack. One part after another per round, medians over --rounds.
 
 --attention: decode attention at the decode step's shapes (ATTENTION_SHAPES), the CPU kernel against SDPA with the
 additive mask (what the engine runs without the kernels), bf16 and fp32 caches, each layer's cache its own tensor as
@@ -191,8 +191,8 @@ GEMM_SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 5
 
 def gemm_rows(shapes: dict, rows: list[int], reps: int) -> list[dict]:
     """The kernels' int8 GEMM against oneDNN's qlinear (what Int8Linear runs without it) at decode row counts, fp32
-    activations, one Int8Linear switched between the two, medians of 5 timings of `reps` calls. The kernel is timed
-    even on an AMX CPU, where the engine keeps oneDNN (cpu_kernels.int8_gemm_kernels), so the choice can be checked."""
+    activations, one Int8Linear switched between the two, medians of 5 timings of `reps` calls (the engine takes the
+    kernel up to int8_gemm_max_rows rows: cpu_kernels.int8_gemm_kernels)."""
     from qurl.quant import quantize_int8
     from rollout_server.engines.linear import Int8Linear
 
@@ -210,7 +210,7 @@ def gemm_rows(shapes: dict, rows: list[int], reps: int) -> list[dict]:
     for name, (n, k) in shapes.items():
         codes, scale = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), dim=-1)
         lin = Int8Linear(["w"], {"w.weight": codes, "w.weight_scale": scale}, torch.float32, torch.device("cpu"))
-        kernel = lin._gemm = cpu_kernels.kernels()  # the kernel even where the engine declines it (AMX)
+        kernel = lin._gemm = cpu_kernels.kernels()  # the kernel at every row count, also above the engine's limit
         lin.repack()
         for m in rows:
             x = torch.randn(m, k)
@@ -242,8 +242,8 @@ def apply_parts(model: str, rounds: int) -> dict:
         "checksum_s": lambda: delta.checksum(engine.weights),
         "repack_all_s": lambda: m.repack(list(engine.weights)),  # what apply_delta runs after the write
     }
-    if cpu_kernels.kernels().int8_gemm:  # the kernels' own layout of the same codes, even where the engine keeps
-        pack = cpu_kernels.kernels().int8_pack  # oneDNN's GEMM (AMX)
+    if cpu_kernels.kernels().int8_gemm:  # the kernels' own layout of the same codes (in linears_repack_s too)
+        pack = cpu_kernels.kernels().int8_pack
         parts["linears_kernel_pack_s"] = lambda: [pack(lin.weight) for lin in linears]
     times: dict[str, list[float]] = {k: [] for k in parts}
     with torch.inference_mode():

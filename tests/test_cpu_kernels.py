@@ -139,7 +139,7 @@ def test_int8_gemm_kernel_equals_the_onednn_path(k, dtype, m, n, kk):
     tensors = {"p.weight": codes, "p.weight_scale": scale, "p.bias": torch.randn(n)}
     lin = Int8Linear(["p"], tensors, dtype, torch.device("cpu"))
     x = torch.randn(m, kk).to(dtype)
-    lin._gemm = k  # the kernel's path, also on AMX CPUs, where the engine keeps oneDNN (benchmarks/decode.py --gemm)
+    lin._gemm = k  # the kernel's path (AMX tiles where K is a multiple of 64, else VNNI; on AVX2 its own)
     lin.repack()
     got = lin(x)
     lin._gemm = None  # the oneDNN path

@@ -70,10 +70,10 @@ def cpu_flags() -> frozenset[str]:
 
 
 def int8_gemm_kernels() -> ModuleType | None:
-    """The kernels if their int8 GEMM should run: AVX-512 VNNI or AVX2, without AMX (with AMX, oneDNN's qlinear runs
-    on its tiles, and the kernel was never measured against that)."""
+    """The kernels if they have an int8 GEMM for this CPU (AMX, AVX-512 VNNI or AVX2): for decode batches it beats
+    oneDNN's qlinear (benchmarks/decode.py --gemm)."""
     k = kernels()
-    return k if k is not None and k.int8_gemm and "amx_int8" not in cpu_flags() else None
+    return k if k is not None and k.int8_gemm else None
 
 
 # The x86 CPU kinds qurl meets, as -march targets: the source compiles for each, whatever this machine is (each

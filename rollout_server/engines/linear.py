@@ -125,8 +125,8 @@ class Int8Linear(_RowScaled):
         super().__init__(prefixes, tensors, dtype, device)
         # CPU: a oneDNN-prepacked copy of the codes, about 2x faster than torch._int_mm at decode shapes (13-20x
         # with the sign split on an AVX2-only CPU, where _int_mm has no fast kernel)
-        # and, with AVX-512 VNNI or AVX2, the CPU kernels' copy of the codes for decode batches (csrc/decode_cpu.cpp;
-        # up to int8_gemm_max_rows rows, above which oneDNN is as fast)
+        # and, with AMX, AVX-512 VNNI or AVX2, the CPU kernels' copy of the codes for decode batches
+        # (csrc/decode_cpu.cpp; up to int8_gemm_max_rows rows, above which oneDNN is as fast)
         self.packed = self.panels = None
         self._onednn = _ONEDNN_QLINEAR and self.weight.device.type == "cpu"
         self._gemm = int8_gemm_kernels() if self._onednn else None

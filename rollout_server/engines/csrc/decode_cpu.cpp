@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -323,7 +325,11 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
 
 #if defined(__AVX512VNNI__)
 #define QURL_INT8_GEMM
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+constexpr const char* kInt8Gemm = "amx";  // AMX tiles where K is a multiple of 64, else VNNI
+#else
 constexpr const char* kInt8Gemm = "avx512-vnni";
+#endif
 constexpr int64_t kInt8GemmMaxRows = 32;  // above it oneDNN's qlinear is as fast (RESULTS §13)
 inline bool packed_matches(const at::Tensor& p, int64_t n, int64_t k) {
   return p.dim() == 4 && p.size(0) == (n + 15) / 16 && p.size(1) == (k + 3) / 4;
@@ -391,14 +397,56 @@ inline void int8_tile(int64_t rows, const uint8_t* xb, int64_t k, const int8_t* 
   }
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+// Linux grants a process AMX's tile state only when asked (oneDNN asks too, for its own AMX kernels)
+inline bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+// tiles 0 (int32 sums), 1 (16 input rows x 64 u8) and 2 (16 quads x 16 codes x 4 s8: 64 inputs of one panel),
+// each 16 rows of 64 bytes
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16};
+};
+
+// int8_tile for 16 input rows (zero padded, row stride k) and one panel by AMX, k a multiple of 64: the panel's 16
+// quads per 64 inputs are the B tile as stored
+inline void int8_tile_amx(const uint8_t* x16, int64_t k, const int8_t* panel, __m512i* out) {
+  _tile_zero(0);
+  for (int64_t kc = 0; kc < k / 64; ++kc) {
+    _tile_loadd(1, x16 + kc * 64, k);
+    _tile_loadd(2, panel + kc * 1024, 64);
+    _tile_dpbusd(0, 1, 2);
+  }
+  _tile_stored(0, out, 64);
+}
+#endif
+
 // y[m, n] = ((sum_k xu[m, k] w[n, k] - 128 sum_k w[n, k]) * w_scale[n]) * x_scale[m] (+ bias[n]): exact int32 sums
 // (VNNI's u8 x s8 adds into int32, no saturation), the dequantization in fp32, y in T
 template <typename T>
 void int8_gemm_kernel(const uint8_t* xu, const float* xs, const int8_t* pk, const int32_t* comp, const float* ws,
                       const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
   const int64_t nb = (n + 15) / 16, k4 = (k + 3) / 4;
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  const bool amx = k % 64 == 0 && amx_granted();
+  std::vector<uint8_t> x16;  // the input rows zero padded to a multiple of 16: whole A tiles
+  if (amx) {
+    x16.assign((m + 15) / 16 * 16 * k, 0);
+    std::memcpy(x16.data(), xu, m * k);
+  }
+#endif
   // a region only for work worth a fork: 2^19 multiply-adds is ~8k VNNI instructions, a few microseconds
   at::parallel_for(0, nb, grain(m * k * 16, int64_t{1} << 19), [&](int64_t begin, int64_t end) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    if (amx) {
+      const TileConfig cfg;
+      _tile_loadconfig(&cfg);
+    }
+#endif
     for (int64_t b = begin; b < end; ++b) {
       const int8_t* panel = pk + b * k4 * 64;
       const __m512i cv = _mm512_loadu_si512(comp + b * 16);
@@ -414,6 +462,11 @@ void int8_gemm_kernel(const uint8_t* xu, const float* xs, const int8_t* pk, cons
       for (int64_t m0 = 0; m0 < m; m0 += 16) {
         const int64_t rows = std::min<int64_t>(16, m - m0);
         __m512i acc[16];
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+        if (amx) {
+          int8_tile_amx(x16.data() + m0 * k, k, panel, acc);
+        } else
+#endif
         int8_tile<16>(rows, xu + m0 * k, k, panel, acc);
         for (int64_t r = 0; r < rows; ++r) {
           const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], cv));
@@ -430,6 +483,9 @@ void int8_gemm_kernel(const uint8_t* xu, const float* xs, const int8_t* pk, cons
         }
       }
     }
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    if (amx) _tile_release();
+#endif
   });
 }
 #else
