@@ -129,7 +129,7 @@ def test_int8_linear_equals_the_onednn_path_in_torch_ops(k, dtype, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,kk", [(1, 16, 64), (16, 960, 576), (17, 37, 70), (32, 100, 3)])
+@pytest.mark.parametrize("m,n,kk", [(1, 16, 64), (16, 960, 576), (17, 37, 70), (32, 100, 3), (128, 48, 128)])
 def test_int8_gemm_kernel_equals_the_onednn_path(k, dtype, m, n, kk):
     """Bit for bit: exact int32 sums and the same fp32 dequantization, bias added in the model dtype."""
     if not k.int8_gemm:

@@ -327,10 +327,11 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
 #define QURL_INT8_GEMM
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 constexpr const char* kInt8Gemm = "amx";  // AMX tiles where K is a multiple of 64, else VNNI
+constexpr int64_t kInt8GemmMaxRows = 128;  // 0.9-1.4x oneDNN's qlinear (itself on AMX) at 64 and 128 rows
 #else
 constexpr const char* kInt8Gemm = "avx512-vnni";
-#endif
 constexpr int64_t kInt8GemmMaxRows = 32;  // above it oneDNN's qlinear is as fast (RESULTS §13)
+#endif
 inline bool packed_matches(const at::Tensor& p, int64_t n, int64_t k) {
   return p.dim() == 4 && p.size(0) == (n + 15) / 16 && p.size(1) == (k + 3) / 4;
 }
