@@ -149,6 +149,21 @@ def test_int8_gemm_kernel_equals_the_onednn_path(k, dtype, m, n, kk):
     torch.testing.assert_close(got, exact, rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n,kk", [(37, 70), (32, 64), (5, 3)])
+def test_int8_pack_lays_out_panels_of_16_rows_by_4_inputs(k, n, kk):
+    """[ceil(N/16)][ceil(K/4)][16][4], zero padded, and 128 x each row's sum: what the VNNI and AMX loops read."""
+    if k.int8_gemm not in ("amx", "avx512-vnni"):
+        pytest.skip("this CPU's int8 GEMM keeps another layout (AVX2) or has none")
+    torch.manual_seed(7)
+    codes = torch.randint(-128, 128, (n, kk), dtype=torch.int8)
+    packed, comp = k.int8_pack(codes)
+    nb, k4 = -(-n // 16), -(-kk // 4)
+    padded = torch.zeros(nb * 16, k4 * 4, dtype=torch.int8)
+    padded[:n, :kk] = codes
+    assert torch.equal(packed, padded.view(nb, 16, k4, 4).transpose(1, 2))
+    assert torch.equal(comp, 128 * padded.sum(1, dtype=torch.int32))
+
+
 def test_int8_gemm_copies_follow_in_place_updates(k):
     """A push writes the codes in place; repack (the engine calls it) rebuilds the panels, and the int8 head's too."""
     if not k.int8_gemm:

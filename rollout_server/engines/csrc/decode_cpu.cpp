@@ -346,15 +346,21 @@ std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& codes) {
   const int8_t* c = codes.data_ptr<int8_t>();
   int8_t* pk = packed.data_ptr<int8_t>();
   int32_t* cp = comp.data_ptr<int32_t>();
-  for (int64_t r = 0; r < nb * 16; ++r) {
-    int32_t sum = 0;
-    for (int64_t i = 0; r < n && i < k; ++i) {
-      const int8_t v = c[r * k + i];
-      sum += v;
-      pk[(((r / 16) * k4 + i / 4) * 16 + r % 16) * 4 + i % 4] = v;
+  const int64_t full = k / 4;  // whole quads; the last K % 4 inputs stay zero padded
+  // every push re-packs every linear: rows by 4-byte quads and panels in parallel, not byte by byte
+  at::parallel_for(0, nb, grain(16 * k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin * 16; r < std::min(n, end * 16); ++r) {
+      const int8_t* row = c + r * k;
+      int8_t* dst = pk + ((r / 16) * k4 * 16 + r % 16) * 4;
+      for (int64_t i = 0; i < full; ++i) std::memcpy(dst + i * 64, row + 4 * i, 4);
+      if (k > 4 * full) std::memcpy(dst + full * 64, row + 4 * full, k - 4 * full);
+      int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < k; ++i) sum += row[i];
+      cp[r] = 128 * sum;
     }
-    cp[r] = 128 * sum;
-  }
+  });
+  for (int64_t r = n; r < nb * 16; ++r) cp[r] = 0;
   return {packed, comp};
 }
 
