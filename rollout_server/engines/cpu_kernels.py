@@ -1,6 +1,6 @@
 """The torch engine's CPU kernels (csrc/decode_cpu.cpp): RMSNorm, per-token int8 quantization, SiLU x up, rotary
 with the cache write, decode attention, the temperature draw (sampling.py), an int8 linear by oneDNN's GEMM in one call
-(quantize, GEMM, dequantize), and a VNNI int8 GEMM for decode batches.
+(quantize, GEMM, dequantize), and an int8 GEMM for decode batches (AMX tiles, AVX-512 VNNI or AVX2).
 
 Built once per CPU kind with the machine's own vector instructions (`-march=native`), at set-up
 (`python -m rollout_server.engines.cpu_kernels`) or on first use; where no compiler is found the
