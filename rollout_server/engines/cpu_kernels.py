@@ -70,8 +70,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 def int8_gemm_kernels() -> ModuleType | None:
-    """The kernels if they have an int8 GEMM for this CPU (AMX, AVX-512 VNNI or AVX2): for decode batches it beats
-    oneDNN's qlinear (benchmarks/decode.py --gemm)."""
+    """The kernels if they have an int8 GEMM for this CPU (AMX, AVX-512 VNNI or AVX2): up to int8_gemm_max_rows rows
+    it is faster than oneDNN's qlinear, or as fast (benchmarks/decode.py --gemm, RESULTS §13)."""
     k = kernels()
     return k if k is not None and k.int8_gemm else None
 

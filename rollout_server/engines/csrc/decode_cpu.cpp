@@ -327,7 +327,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
 #define QURL_INT8_GEMM
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 constexpr const char* kInt8Gemm = "amx";  // AMX tiles where K is a multiple of 64, else VNNI
-constexpr int64_t kInt8GemmMaxRows = 128;  // 0.9-1.4x oneDNN's qlinear (itself on AMX) at 64 and 128 rows
+constexpr int64_t kInt8GemmMaxRows = 128;  // at 64-128 rows 0.71-1.65x oneDNN's AMX qlinear: mixed (RESULTS §13)
 #else
 constexpr const char* kInt8Gemm = "avx512-vnni";
 constexpr int64_t kInt8GemmMaxRows = 32;  // above it oneDNN's qlinear is as fast (RESULTS §13)
@@ -440,10 +440,12 @@ void int8_gemm_kernel(const uint8_t* xu, const float* xs, const int8_t* pk, cons
   const int64_t nb = (n + 15) / 16, k4 = (k + 3) / 4;
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
   const bool amx = k % 64 == 0 && amx_granted();
-  std::vector<uint8_t> x16;  // the input rows zero padded to a multiple of 16: whole A tiles
-  if (amx) {
-    x16.assign((m + 15) / 16 * 16 * k, 0);
-    std::memcpy(x16.data(), xu, m * k);
+  std::vector<uint8_t> padded;  // whole A tiles: the input rows zero padded to a multiple of 16, where they are not
+  const uint8_t* x16 = xu;
+  if (amx && m % 16 != 0) {
+    padded.assign((m + 15) / 16 * 16 * k, 0);
+    std::memcpy(padded.data(), xu, m * k);
+    x16 = padded.data();
   }
 #endif
   // a region only for work worth a fork: 2^19 multiply-adds is ~8k VNNI instructions, a few microseconds
@@ -471,7 +473,7 @@ void int8_gemm_kernel(const uint8_t* xu, const float* xs, const int8_t* pk, cons
         __m512i acc[16];
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
         if (amx) {
-          int8_tile_amx(x16.data() + m0 * k, k, panel, acc);
+          int8_tile_amx(x16 + m0 * k, k, panel, acc);
         } else
 #endif
         int8_tile<16>(rows, xu + m0 * k, k, panel, acc);
