@@ -23,10 +23,10 @@ Parts (all by default, or a subset with --parts):
 - packed: the learner step with length-bucketed against prompt-packed micro-batches (learner/packing.py: each
   group's prompt once), in --precision, at the gym recipe's shape (8 prompts x 8 samples, 35-50 prompt tokens,
   8-12-token answers) and at the micro part's; the same batches for both modes.
-- profile: where a learner step's time goes (--precision), the micro part's batch shape on one gloo rank in this
-  process (learner/policy_step.py's PolicyStep, the gym recipe's settings, bucketed micro-batches): torch.profiler's
-  self CPU time grouped by kind (matmuls, attention, the log-softmax head, the optimizer, the rest), after one
-  warm-up step.
+- profile: where a learner step's time goes (--precision) on one gloo rank in this process (learner/policy_step.py's
+  PolicyStep, the gym recipe's settings), at the micro part's batch shape (bucketed micro-batches) and at the gym
+  recipe's (packed, as it trains): torch.profiler's self CPU time grouped by kind (matmuls, attention, the log-softmax
+  head, the optimizer, the rest), after one warm-up step.
 - sync: int8 codes changed per push and delta / full push bytes per engine dtype after AdamW steps at the
   recipe's learning rate (or --sync-lr), s = 1 and 1.5 (benchmarks/sync.py's run on GSM text).
 
@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import OWN, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
+from learner.batch import Batch  # noqa: E402
 from learner.model import bf16_training  # noqa: E402
 from qurl.data import PromptDataset  # noqa: E402
 from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
@@ -273,13 +274,40 @@ PROFILE_KINDS = (
 
 
 def profile_rows(model: str, threads: int, precision: str) -> list[dict]:
-    """One profiled learner step of the micro part's shape, self CPU time by kind and the top operators."""
+    """Where a learner step's time goes: one profiled step at the micro part's shape (bucketed) and one at the gym
+    recipe's (packed, as configs/smollm2-gym-cpu.yaml trains)."""
+    return [
+        profile_row(model, threads, precision, MICRO_WORKLOAD, "bucketed"),
+        profile_row(model, threads, precision, GYM_WORKLOAD, "packed"),
+    ]
+
+
+def profile_batch(workload: tuple, vocab: int) -> Batch:
+    """Random groups of the workload's shape: each group's samples share one prompt (prompt length drawn per group,
+    response length per sample), as the server's groups do."""
+    from learner.batch import Batch
+
+    prompts, samples, (plo, phi), (rlo, rhi) = workload
+    g = torch.Generator().manual_seed(0)
+    group = torch.arange(prompts * samples) // samples
+    prompt = torch.randint(plo, phi + 1, (prompts,), generator=g)[group]
+    total = prompt + torch.randint(rlo, rhi + 1, (prompts * samples,), generator=g)
+    ids = torch.randint(3, vocab, (prompts * samples, int(total.max())), generator=g)
+    heads = torch.randint(3, vocab, (prompts, int(prompt.max())), generator=g)
+    for i in range(len(ids)):
+        ids[i, : prompt[i]] = heads[group[i], : prompt[i]]
+    behav = -torch.rand(ids.shape, generator=g) * 2
+    rewards = torch.rand(prompts * samples, generator=g).round()
+    return Batch(ids, prompt, total, behav, rewards, group)
+
+
+def profile_row(model: str, threads: int, precision: str, workload: tuple, micro_batches: str) -> dict:
+    """One profiled learner step of the workload's shape, self CPU time by kind and the top operators."""
     import socket
 
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from learner.batch import Batch
     from learner.model import build_policy
     from learner.policy_step import DistEnv, PolicyStep
     from qurl.config import load_config
@@ -292,7 +320,13 @@ def profile_rows(model: str, threads: int, precision: str) -> list[dict]:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         cfg = load_config(
             os.path.join(root, "configs", "smollm2-gym-cpu.yaml"),
-            [f"model.path={model}", "data.eval_files=[]", f"train.precision={precision}", "train.mini_batches=1"],
+            [
+                f"model.path={model}",
+                "data.eval_files=[]",
+                f"train.precision={precision}",
+                "train.mini_batches=1",
+                f"train.micro_batches={micro_batches}",
+            ],
             check_paths=False,
         )
         torch.manual_seed(0)
@@ -304,13 +338,7 @@ def profile_rows(model: str, threads: int, precision: str) -> list[dict]:
             cfg.rollout.sampling,
             DistEnv(0, 1, 0, torch.device("cpu")),
         )
-        g = torch.Generator().manual_seed(0)
-        n = 16  # 2 prompts x 8 samples, 190-260 prompt and 16-256 response tokens (the micro part's shapes)
-        prompt = torch.randint(190, 261, (n,), generator=g)
-        total = prompt + torch.randint(16, 257, (n,), generator=g)
-        ids = torch.randint(3, AutoConfig.from_pretrained(model).vocab_size, (n, int(total.max())), generator=g)
-        behav = -torch.rand(ids.shape, generator=g) * 2
-        batch = Batch(ids, prompt, total, behav, torch.rand(n, generator=g).round(), torch.arange(n) // 8)
+        batch = profile_batch(workload, AutoConfig.from_pretrained(model).vocab_size)
         policy.step(batch, step=0)  # warm-up
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
@@ -327,7 +355,12 @@ def profile_rows(model: str, threads: int, precision: str) -> list[dict]:
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
     row = {
         "part": "profile",
+        "micro_batches": micro_batches,
         "precision": precision,
+        "prompts": workload[0],
+        "samples": workload[1],
+        "prompt_len": list(workload[2]),
+        "response_len": list(workload[3]),
         "threads": threads,
         "step_s": round(seconds, 2),
         "padded_tokens": result.metrics.get("actor/padded_tokens"),
@@ -335,7 +368,7 @@ def profile_rows(model: str, threads: int, precision: str) -> list[dict]:
         "top_ops": [{"op": e.key, "share": round(e.self_cpu_time_total / total_us, 3), "calls": e.count} for e in top],
     }
     print(json.dumps(row), file=sys.stderr, flush=True)
-    return [row]
+    return row
 
 
 def matmul_flops(hidden: int, inter: int, dtype: torch.dtype, tokens: int = 4096, repeats: int = 7) -> float:

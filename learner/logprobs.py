@@ -8,17 +8,24 @@ then / T), so values equal the dense ones within fp32 rounding.
 
 The chunked head replaces lm_head.forward for one call of the whole model, so that under FSDP2 the head runs
 inside the root module's forward, with its parameters unsharded and the root's backward hooks on its output.
+
+The learner passes `keep`, its response tokens: only those positions reach the head. A micro-batch's positions
+start..T-1 also hold the longer prompts' tails and the shorter responses' padding, which were half of them or more
+at the recipes' shapes (gym: 1,728 positions for ~640 response tokens; the micro benchmark's: 5,216 for 2,611).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 CHUNK_ELEMENTS = 1 << 26  # logits per chunk (256 MB in fp32); a few such buffers are the head's whole peak
 
@@ -45,6 +52,16 @@ class _ChunkedLogprob(torch.autograd.Function):
         out = torch.empty(shape, dtype=torch.float32, device=hidden.device)  # returned whole: not a view
         logp = out.view(-1)
         for s in range(0, hidden.shape[0], rows):
+            kernels = _kernels(hidden)
+            if kernels is not None:  # one pass per row over the matmul's logits, no fp32 copy of them
+                logits = F.linear(hidden[s : s + rows], weight)
+                row_lse, row_logp, row_ent = kernels.head_forward(
+                    logits, targets[s : s + rows], temperature, entropy_out is not None
+                )
+                lse[s : s + rows], logp[s : s + rows] = row_lse, row_logp
+                if entropy_out is not None:
+                    entropy_out[s : s + rows] = row_ent
+                continue
             logits = _logits(hidden[s : s + rows], weight, temperature)
             lse[s : s + rows] = torch.logsumexp(logits, dim=-1)
             logp[s : s + rows] = logits.gather(-1, targets[s : s + rows, None]).squeeze(-1) - lse[s : s + rows]
@@ -59,19 +76,25 @@ class _ChunkedLogprob(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad = grad.reshape(-1).float()
+        grad = grad.reshape(-1).float().contiguous()  # a sum()'s gradient arrives expanded (stride 0)
         grad_h = torch.empty_like(hidden) if need_h else None
         starts = range(0, hidden.shape[0], ctx.rows)
-        # one chunk (the CPU recipes' steps): its product is the gradient, with no fp32 sum to add it into
-        sum_w = need_w and len(starts) > 1
+        # one chunk (the CPU recipes' steps): its product is the gradient, with no fp32 sum to add it into (none, a
+        # micro-batch with no response token: a zero gradient)
+        sum_w = need_w and len(starts) != 1
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if sum_w else None
+        kernels = _kernels(hidden)
         for s in starts:
             h, g = hidden[s : s + ctx.rows], grad[s : s + ctx.rows, None]
             # d logp / d logits = onehot(t) - softmax, times the incoming gradient, then / T (the forward's division)
-            d = _shifted_logits(h, weight, ctx.temperature, lse[s : s + ctx.rows, None]).exp_().mul_(-g)
-            d.scatter_add_(-1, targets[s : s + ctx.rows, None], g)
-            if ctx.temperature > 0 and ctx.temperature != 1:
-                d = d.div_(ctx.temperature)
+            if kernels is not None:  # in place over the recomputed logits, rounded once to their dtype
+                d = F.linear(h, weight)
+                kernels.head_backward_(d, targets[s : s + ctx.rows], lse[s : s + ctx.rows], g[:, 0], ctx.temperature)
+            else:
+                d = _shifted_logits(h, weight, ctx.temperature, lse[s : s + ctx.rows, None]).exp_().mul_(-g)
+                d.scatter_add_(-1, targets[s : s + ctx.rows, None], g)
+                if ctx.temperature > 0 and ctx.temperature != 1:
+                    d = d.div_(ctx.temperature)
             d = d.to(weight.dtype)  # the dense path's grad enters the head matmul in the matmul's dtype too
             if need_h:
                 grad_h[s : s + ctx.rows] = d @ weight
@@ -82,6 +105,17 @@ class _ChunkedLogprob(torch.autograd.Function):
             elif need_w:  # the chunk's product in the matmul's dtype, summed over chunks in fp32
                 grad_w.add_(d.t() @ h)
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+
+
+def _kernels(hidden: torch.Tensor) -> ModuleType | None:
+    """The CPU kernels' head ops for these hidden states (rollout_server/engines/cpu_kernels.py: one module, built
+    at set-up), or None: on GPUs, where no compiler built them, and on x86 CPUs without AVX2."""
+    if hidden.device.type != "cpu" or hidden.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from rollout_server.engines.cpu_kernels import kernels
+
+    module = kernels()
+    return module if module is not None and hasattr(module, "head_forward") else None
 
 
 def _shifted_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, lse: torch.Tensor) -> torch.Tensor:
@@ -127,12 +161,14 @@ def token_logprobs(
     temperature: float,
     entropy: bool = False,
     chunk_elements: int = CHUNK_ELEMENTS,
+    keep: torch.Tensor | None = None,
 ) -> LogProbs:
     """log softmax(logits / T) of tokens input_ids[:, start:], each predicted from its prefix: [B, T - start].
 
     Right padding needs no attention mask: under the causal mask a real token never sees the pads after it. Only the
     last T - start + 1 hidden states reach the head, which runs in chunks (chunked_logprobs) inside the model's own
-    forward. `entropy`: also the policy's entropy at each of those positions (no gradient).
+    forward. `entropy`: also the policy's entropy at each of those positions (no gradient). `keep` [B, T - start]:
+    only these positions (see head_logprobs).
     """
     if start < 1:
         raise ValueError(f"token_logprobs needs start >= 1 (a token needs a prefix), got {start}")
@@ -144,6 +180,7 @@ def token_logprobs(
         temperature,
         entropy,
         chunk_elements,
+        keep,
         input_ids=input_ids,
         logits_to_keep=targets.shape[1] + 1,
     )
@@ -156,21 +193,53 @@ def head_logprobs(
     temperature: float,
     entropy: bool = False,
     chunk_elements: int = CHUNK_ELEMENTS,
+    keep: torch.Tensor | None = None,
     **inputs: Any,
 ) -> LogProbs:
     """One forward of `model` on `inputs` whose lm_head is the chunked log-prob of `targets` at the hidden states
-    select(final hidden states) picks, one per target; it runs inside the model's forward, so FSDP2's hooks hold."""
+    select(final hidden states) picks, one per target; it runs inside the model's forward, so FSDP2's hooks hold.
+    `keep` (bool, targets' shape): only those positions go through the head; the others read 0, with no gradient."""
     head = model.get_output_embeddings()
     side: dict[str, torch.Tensor | None] = {}
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        out = chunked_logprobs(select(hidden), head.weight, targets, temperature, entropy, chunk_elements)
-        side["entropy"] = out.entropy
-        return out.logp  # the model returns it as .logits, so FSDP2's backward hooks see it
+        picked = select(hidden)
+        if keep is None:
+            out = chunked_logprobs(picked, head.weight, targets, temperature, entropy, chunk_elements)
+            side["entropy"] = out.entropy
+            return out.logp  # the model returns it as .logits, so FSDP2's backward hooks see it
+        at = keep.reshape(-1).nonzero().squeeze(1)
+        flat = picked.reshape(-1, picked.shape[-1]).index_select(0, at)
+        out = chunked_logprobs(
+            flat, head.weight, targets.reshape(-1).index_select(0, at), temperature, entropy, chunk_elements
+        )
+        side["entropy"] = None if out.entropy is None else _spread(out.entropy, at, targets.shape)
+        return _spread(out.logp, at, targets.shape)
 
     head.forward = forward
     try:
-        logp = model(use_cache=False, **inputs).logits
+        with _attention(inputs["input_ids"]):
+            logp = model(use_cache=False, **inputs).logits
     finally:
         del head.forward
     return LogProbs(logp, side["entropy"])
+
+
+# torch's CPU flash attention splits queries into blocks of 32 below 192 positions (64 from there), where its
+# backward ran 1.2-1.7x slower than the math path's matmuls, forward and backward together (bf16, SmolLM2's 9 / 3
+# heads, 4k tokens per call, AMX Xeon; at 192 and above flash is 1.9-3.6x faster): the gym recipe's packed rows are
+# ~135 positions
+MATH_ATTENTION_BELOW = 192
+
+
+def _attention(input_ids: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The SDPA backend for rows this long: the math path for short rows on CPU, else torch's own choice. The
+    choice made in forward holds in backward (its autograd graph)."""
+    if input_ids.device.type == "cpu" and input_ids.shape[-1] < MATH_ATTENTION_BELOW:
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
+
+
+def _spread(values: torch.Tensor, at: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """values [K] at flat positions `at` of a zero tensor of `shape` (differentiable in values)."""
+    return values.new_zeros(shape.numel()).index_copy(0, at, values).view(shape)

@@ -78,9 +78,15 @@ def pack(
 
 
 def packed_logprobs(
-    model: nn.Module, packed: Packed, targets: torch.Tensor, temperature: float, entropy: bool = False
+    model: nn.Module,
+    packed: Packed,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: bool = False,
+    keep: torch.Tensor | None = None,
 ) -> LogProbs:
-    """log softmax(logits / T) of targets [n, T - start] from one forward of the packed rows (see token_logprobs)."""
+    """log softmax(logits / T) of targets [n, T - start] from one forward of the packed rows (see token_logprobs;
+    `keep`: only those targets, see head_logprobs)."""
     kind = getattr(model.config, "_attn_implementation", None)
     if kind not in ATTENTION:
         raise ValueError(f"train.micro_batches=packed needs {' or '.join(ATTENTION)} attention; the model uses {kind}")
@@ -100,6 +106,7 @@ def packed_logprobs(
         targets,
         temperature,
         entropy,
+        keep=keep,
         input_ids=packed.input_ids,
         attention_mask=mask,
         position_ids=packed.position_ids,

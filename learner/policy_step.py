@@ -101,7 +101,6 @@ class PolicyStep:
         self.pad_id = pad_token_id(model.config)
         self.planner = PLANNERS[train.micro_batches]
         self.packed = train.micro_batches == "packed"
-        self.head_weight = _head_weight(model)
         self.dropout_free = not getattr(model.config, "attention_dropout", 0.0) and all(
             m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout)
         )
@@ -224,10 +223,12 @@ class PolicyStep:
     def _logprobs(self, model: nn.Module, m: MicroBatch, entropy: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probs of m's tokens under `model`; adds the entropy summed over m's response tokens to `entropy`."""
         want = entropy is not None
+        # the head runs on the response tokens only (m.mask): every other position is masked out of the loss
         if m.packed is not None:
-            out = packed_logprobs(model, m.packed, m.input_ids[:, m.start :], self.temperature, entropy=want)
+            targets = m.input_ids[:, m.start :]
+            out = packed_logprobs(model, m.packed, targets, self.temperature, entropy=want, keep=m.mask)
         else:
-            out = token_logprobs(model, m.input_ids, m.start, self.temperature, entropy=want)
+            out = token_logprobs(model, m.input_ids, m.start, self.temperature, entropy=want, keep=m.mask)
         if entropy is not None:
             entropy += (out.entropy.detach() * m.mask).sum().double().cpu()
         return out.logp
@@ -252,7 +253,7 @@ class PolicyStep:
         rows_per_mini = [
             torch.nonzero(torch.isin(batch.group, torch.tensor_split(c, world)[rank])).flatten() for c in chunks
         ]
-        plan = [self.planner(rows, batch, self.head_weight, budget) for rows in rows_per_mini]
+        plan = [self.planner(rows, batch, budget) for rows in rows_per_mini]
         counts = torch.tensor([len(p) for p in plan])
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         response_len = batch.total_len - batch.prompt_len
@@ -296,7 +297,7 @@ class PolicyStep:
         )
 
 
-def _micro_rows(rows: torch.Tensor, batch: Batch, head_weight: float, budget: int) -> list[torch.Tensor]:
+def _micro_rows(rows: torch.Tensor, batch: Batch, budget: int) -> list[torch.Tensor]:
     """Cut rows (in order) into runs whose padded size stays within `budget` tokens (at least one row each)."""
     out, current, longest = [], [], 0
     for r in rows.tolist():
@@ -311,44 +312,39 @@ def _micro_rows(rows: torch.Tensor, batch: Batch, head_weight: float, budget: in
     return out
 
 
-def _bucketed_rows(rows: torch.Tensor, batch: Batch, head_weight: float, budget: int) -> list[torch.Tensor]:
+def _bucketed_rows(rows: torch.Tensor, batch: Batch, budget: int) -> list[torch.Tensor]:
     """Rows sorted by length and cut where padding costs more than a forward: the least padded work.
 
     Each row's log-probs do not depend on the rows beside it (right padding, causal mask) and the loss is a sum
     over rows normalised by the mini-batch's global totals, so any grouping gives the same step. The cost of a
-    micro-batch is its padded tokens through the body, plus head_weight times its padded lm_head positions
-    (start..end), plus FORWARD_COST_TOKENS.
+    micro-batch is its padded tokens through the body plus FORWARD_COST_TOKENS; the head runs on the response
+    tokens only (learner/logprobs.py), the same work however the rows are cut.
     """
-    order = sorted(rows.tolist(), key=lambda r: (int(batch.total_len[r]), int(batch.prompt_len[r])))
-    total = [int(batch.total_len[r]) for r in order]
-    prompt = [int(batch.prompt_len[r]) for r in order]
-    return [torch.tensor(order[i:j]) for i, j in _cheapest_runs(total, prompt, head_weight, budget)]
+    order = sorted(rows.tolist(), key=lambda r: int(batch.total_len[r]))
+    return [torch.tensor(order[i:j]) for i, j in _cheapest_runs([int(batch.total_len[r]) for r in order], budget)]
 
 
-def _packed_rows(rows: torch.Tensor, batch: Batch, head_weight: float, budget: int) -> list[torch.Tensor]:
+def _packed_rows(rows: torch.Tensor, batch: Batch, budget: int) -> list[torch.Tensor]:
     """Whole groups, each one packed row (learner/packing.py), sorted by that row's length and cut as bucketed rows
-    are (the head's positions are the unpacked rows' however the groups are cut, so only the body's tokens count)."""
+    are."""
     groups = batch.group[rows]
     members = [rows[groups == g] for g in dict.fromkeys(groups.tolist())]
     length = [int(batch.prompt_len[m[0]]) * (1 - len(m)) + int(batch.total_len[m].sum()) for m in members]
     order = sorted(range(len(members)), key=lambda k: length[k])
-    runs = _cheapest_runs([length[k] for k in order], [0] * len(order), 0.0, budget)
+    runs = _cheapest_runs([length[k] for k in order], budget)
     return [torch.cat([members[k] for k in order[i:j]]) for i, j in runs]
 
 
-def _cheapest_runs(total: list[int], prompt: list[int], head_weight: float, budget: int) -> list[tuple[int, int]]:
-    """Contiguous runs [i, j) of items sorted by length `total`, each costing n x (total[j - 1] + head_weight x
-    (total[j - 1] - its least prompt)) + FORWARD_COST_TOKENS, at least total cost by dynamic programming, each
-    within `budget` padded tokens (a longer item alone)."""
+def _cheapest_runs(total: list[int], budget: int) -> list[tuple[int, int]]:
+    """Contiguous runs [i, j) of items sorted by length `total`, each costing n x total[j - 1] + FORWARD_COST_TOKENS,
+    at least total cost by dynamic programming, each within `budget` padded tokens (a longer item alone)."""
     best, cut = [0.0] + [math.inf] * len(total), [0] * (len(total) + 1)
     for j in range(len(total)):  # best[j + 1]: cheapest plan of items[: j + 1], its last run items[cut : j + 1]
-        start = prompt[j]
         for i in range(j, -1, -1):
             n = j - i + 1
             if n > 1 and n * total[j] > budget:
                 break
-            start = min(start, prompt[i])
-            cost = best[i] + n * (total[j] + head_weight * (total[j] - start)) + FORWARD_COST_TOKENS
+            cost = best[i] + n * total[j] + FORWARD_COST_TOKENS
             if cost < best[j + 1]:
                 best[j + 1], cut[j + 1] = cost, i
     out, j = [], len(total)
@@ -358,17 +354,8 @@ def _cheapest_runs(total: list[int], prompt: list[int], head_weight: float, budg
     return out[::-1]
 
 
-# train.micro_batches: how a mini-batch's rows are cut into forwards (rows, batch, head weight, token budget)
+# train.micro_batches: how a mini-batch's rows are cut into forwards (rows, batch, token budget)
 PLANNERS = {"padded": _micro_rows, "bucketed": _bucketed_rows, "packed": _packed_rows}
-
-
-def _head_weight(model: nn.Module) -> float:
-    """Cost of one lm_head position against one token through the body: vocab x hidden over body parameters."""
-    head = model.get_output_embeddings().weight.numel()
-    body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
-    if not model.config.tie_word_embeddings:
-        body -= head
-    return head / max(body, 1)
 
 
 def _all_sum(values: list[float]) -> list[float]:

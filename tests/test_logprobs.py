@@ -130,3 +130,89 @@ def test_the_learner_log_probs_never_hold_every_logit():
 def test_start_must_leave_a_prefix():
     with pytest.raises(ValueError, match="start >= 1"):
         token_logprobs(tiny_lm(50), torch.zeros(1, 4, dtype=torch.long), 0, 1.0)
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def head_path(request, monkeypatch):
+    """Both ways the head runs on CPU: the compiled kernels' head ops, and the torch chain they replace."""
+    from learner import logprobs
+
+    if request.param == "torch":
+        monkeypatch.setattr(logprobs, "_kernels", lambda hidden: None)
+    elif logprobs._kernels(torch.zeros(1)) is None:
+        pytest.skip("the CPU kernels' head ops are not built here")
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_each_head_path_equals_the_dense_one(head_path, dtype, temperature):
+    """Values, entropy and gradients against log_softmax over all logits at once, in the matmul's dtype then fp32,
+    with a vocabulary over the kernels' 1,024-wide block and not a multiple of their vector width."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 2500
+    hidden = torch.randn(37, 48, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, 48, generator=g) * 0.2).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (37,), generator=g)
+    upstream = torch.randn(37, generator=g)
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    logits = logits / temperature if temperature > 0 else logits
+    logs = torch.log_softmax(logits, -1)
+    ref, ref_entropy = logs.gather(-1, targets[:, None]).squeeze(-1), -(logs.exp() * logs).sum(-1)
+    (ref * upstream).sum().backward()
+    ref_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    out = chunked_logprobs(hidden, weight, targets, temperature, entropy=True, chunk_elements=10 * vocab)
+    (out.logp * upstream).sum().backward()
+    torch.testing.assert_close(out.logp, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.entropy, ref_entropy, rtol=1e-5, atol=1e-4)
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2**-6 * ref_grads[1].abs().max().item()}
+    torch.testing.assert_close(hidden.grad, ref_grads[0], **tol)
+    torch.testing.assert_close(weight.grad, ref_grads[1], **tol)
+
+
+def test_only_the_kept_positions_reach_the_head(head_path):
+    """keep: the kept positions' log-probs, entropy and gradients are the full head's; the others read 0 and take no
+    gradient; a micro-batch with nothing kept (the padding micro-batch) gives zero gradients."""
+    vocab, start = 300, 4
+    ids = torch.randint(0, vocab, (3, 15), generator=torch.Generator().manual_seed(4))
+    keep = torch.rand(3, 15 - start, generator=torch.Generator().manual_seed(5)) < 0.5
+    results = {}
+    for name, mask in (("full", None), ("kept", keep)):
+        model = tiny_lm(vocab)
+        out = token_logprobs(model, ids, start, 0.8, entropy=True, chunk_elements=5 * vocab, keep=mask)
+        (out.logp * keep).sum().backward()
+        results[name] = out, {n: p.grad.clone() for n, p in model.named_parameters()}
+    (full, full_grads), (kept, kept_grads) = results["full"], results["kept"]
+    torch.testing.assert_close(kept.logp[keep], full.logp[keep])
+    torch.testing.assert_close(kept.entropy[keep], full.entropy[keep])
+    assert not kept.logp[~keep].any() and not kept.entropy[~keep].any()
+    for name in full_grads:
+        torch.testing.assert_close(kept_grads[name], full_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    model = tiny_lm(vocab)
+    none = torch.zeros(3, 15 - start, dtype=torch.bool)
+    token_logprobs(model, ids, start, 1.0, keep=none).logp.sum().backward()
+    assert all(not p.grad.any() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("length", [40, 200])
+def test_short_rows_train_through_the_math_attention_with_the_same_values(length, monkeypatch):
+    """Below MATH_ATTENTION_BELOW positions the forward and backward run SDPA's math path (no flash kernels); values
+    and gradients equal torch's own choice of backend."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from learner import logprobs
+
+    ids = torch.randint(0, 300, (2, length), generator=torch.Generator().manual_seed(6))
+    runs = {}
+    rule = logprobs.MATH_ATTENTION_BELOW
+    for name, below in (("rule", rule), ("torch", 0)):
+        monkeypatch.setattr(logprobs, "MATH_ATTENTION_BELOW", below)
+        model = tiny_lm(300)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            token_logprobs(model, ids, 1, 1.0).logp.sum().backward()
+        flash = any("flash_attention" in e.key for e in prof.key_averages())
+        runs[name] = flash, {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert runs["rule"][0] == (length >= rule) and runs["torch"][0]
+    for name, grad in runs["torch"][1].items():
+        torch.testing.assert_close(runs["rule"][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)

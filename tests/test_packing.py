@@ -117,7 +117,7 @@ def test_packed_planner_keeps_groups_whole_within_the_budget():
     ids, prompt_len, total_len, group = shared_prompt_rows([10, 10, 10], [[5, 5], [20, 1], [2, 2]], 97, 0)
     batch = Batch(ids, prompt_len, total_len, torch.zeros(ids.shape), torch.zeros(len(group)), group)
     every = torch.arange(len(group))
-    plan = lambda budget: [c.tolist() for c in PLANNERS["packed"](every, batch, 0.0, budget)]  # noqa: E731
+    plan = lambda budget: [c.tolist() for c in PLANNERS["packed"](every, batch, budget)]  # noqa: E731
     # packed lengths 20, 31, 14, sorted 14, 20, 31: all three pad to 3 x 31 = 93 tokens; within 62, one forward
     # of 14 + 20 padded to 40 and one of 31 beat 14 alone and 20 + 31 padded to 62
     assert plan(1000) == [[4, 5, 0, 1, 2, 3]]

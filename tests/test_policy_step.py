@@ -167,7 +167,7 @@ def test_bucketed_and_packed_micro_batches_take_the_padded_step(gloo_one_rank, r
             ],
         )
         every = torch.arange(len(batch.rewards))
-        cuts = PLANNERS[mode](every, batch, policy.head_weight, cfg.train.micro_batch_tokens)
+        cuts = PLANNERS[mode](every, batch, cfg.train.micro_batch_tokens)
         rows = {}
         with torch.no_grad():
             for cut in cuts:

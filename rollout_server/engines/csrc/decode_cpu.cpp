@@ -855,6 +855,90 @@ void sample_rows_kernel(const float* logits, const float* temps, const float* un
     }
   });
 }
+
+// The learner's log-prob head (learner/logprobs.py) over one chunk of logits rows [R, V], each row in blocks of
+// kHeadBlock converted to fp32 on the stack: no [R, V] fp32 tensor exists. The torch chain it replaces (fp32 copy,
+// logsumexp, sub, exp, mul, sum; backward: sub, exp, mul, scatter, bf16 copy) allocated one or two such tensors per
+// pass, 134-268 MB at 1,365 rows of a 49k vocabulary, each page-faulted in anew (RESULTS §13).
+constexpr int64_t kHeadBlock = 1024;
+
+template <typename T>
+inline int64_t head_block(const T* x, int64_t i, int64_t v, float* buf) {
+  const int64_t n = std::min(kHeadBlock, v - i);
+  for (int64_t j = 0; j < n; ++j) buf[j] = load(x, i + j);
+  return n;
+}
+
+// per row: lse = logsumexp(x), logp = x[target] - lse, entropy = lse - sum(softmax(x) * x), x = logits / t
+template <typename T>
+void head_forward_kernel(const T* logits, const int64_t* targets, float t, float* lse, float* logp, float* entropy,
+                         int64_t rows, int64_t v) {
+  at::parallel_for(0, rows, grain(2 * v), [&](int64_t begin, int64_t end) {
+    alignas(64) float buf[kHeadBlock];
+    alignas(64) float e[kExpWidth];
+    for (int64_t r = begin; r < end; ++r) {
+      const T* x = logits + r * v;
+      float mx = -INFINITY;
+      for (int64_t i = 0; i < v; i += kHeadBlock) {
+        const int64_t n = head_block(x, i, v, buf);
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, buf[j]);
+      }
+      const float m = mx / t;  // division is monotone: the maximum of x / t
+      float sum = 0.f, dot = 0.f;  // sum e^(x - m), and sum e^(x - m) x where the entropy is wanted
+      for (int64_t i = 0; i < v; i += kHeadBlock) {
+        const int64_t n = head_block(x, i, v, buf);
+        int64_t j = 0;
+        for (; j + kExpWidth <= n; j += kExpWidth) {
+          sum += exp_chunk(buf + j, t, m, e);
+          if (entropy != nullptr) {
+#pragma omp simd reduction(+ : dot)
+            for (int64_t k = 0; k < kExpWidth; ++k) dot += e[k] * (buf[j + k] / t);
+          }
+        }
+        for (; j < n; ++j) {
+          const float a = buf[j] / t - m, w = a >= -87.f ? std::exp(a) : 0.f;
+          sum += w;
+          dot += w * (buf[j] / t);
+        }
+      }
+      lse[r] = m + std::log(sum);
+      logp[r] = load(x, targets[r]) / t - lse[r];
+      if (entropy != nullptr) entropy[r] = lse[r] - dot / sum;
+    }
+  });
+}
+
+// in place, per row: d = (onehot(target) - softmax(x)) * g / t' (t' = t where the forward divided, else 1), rounded
+// once to the logits' dtype, as the torch chain's fp32 d then its cast
+template <typename T>
+void head_backward_kernel(T* logits, const int64_t* targets, const float* lse, const float* g, float t, bool divide,
+                          int64_t rows, int64_t v) {
+  at::parallel_for(0, rows, grain(2 * v), [&](int64_t begin, int64_t end) {
+    alignas(64) float buf[kHeadBlock];
+    for (int64_t r = begin; r < end; ++r) {
+      T* x = logits + r * v;
+      const float gr = g[r];
+      for (int64_t i = 0; i < v; i += kHeadBlock) {
+        const int64_t n = head_block(x, i, v, buf);
+        int64_t j = 0;
+        for (; j + kExpWidth <= n; j += kExpWidth) exp_chunk(buf + j, t, lse[r], buf + j);
+        for (; j < n; ++j) {
+          const float a = buf[j] / t - lse[r];
+          buf[j] = a >= -87.f ? std::exp(a) : 0.f;
+        }
+#pragma omp simd
+        for (int64_t k = 0; k < n; ++k) buf[k] = buf[k] * -gr;
+        if (targets[r] >= i && targets[r] < i + n) buf[targets[r] - i] += gr;
+        if (divide) {
+#pragma omp simd
+          for (int64_t k = 0; k < n; ++k) buf[k] = buf[k] / t;
+        }
+        for (int64_t k = 0; k < n; ++k) x[i + k] = store<T>(buf[k]);
+      }
+    }
+  });
+}
 #endif
 
 void check_rows(const at::Tensor& x, const char* name) {
@@ -986,6 +1070,55 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, const a
                      logits.size(1));
   return {tokens, logprobs};
 }
+
+void check_head(const at::Tensor& logits, const at::Tensor& targets, const char* name) {
+  check_rows(logits, name);
+  TORCH_CHECK(logits.size(1) > 0, name, ": an empty vocabulary");
+  TORCH_CHECK(targets.scalar_type() == at::kLong && targets.is_contiguous() && targets.numel() == logits.size(0),
+              name, ": int64 targets, one per row");
+  const int64_t* tp = targets.data_ptr<int64_t>();
+  for (int64_t i = 0; i < targets.numel(); ++i) {
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < logits.size(1), name, ": a target out of the vocabulary");
+  }
+}
+
+std::vector<at::Tensor> head_forward(const at::Tensor& logits, const at::Tensor& targets, double temperature,
+                                     bool entropy) {
+  check_head(logits, targets, "head_forward");
+  const int64_t rows = logits.size(0), v = logits.size(1);
+  const auto opts = logits.options().dtype(at::kFloat);
+  auto lse = at::empty({rows}, opts), logp = at::empty({rows}, opts);
+  auto ent = entropy ? at::empty({rows}, opts) : at::empty({0}, opts);
+  const float t = temperature > 0 ? static_cast<float>(temperature) : 1.f;  // 0: unscaled
+  float* ep = entropy ? ent.data_ptr<float>() : nullptr;
+  if (logits.scalar_type() == at::kFloat) {
+    head_forward_kernel(logits.data_ptr<float>(), targets.data_ptr<int64_t>(), t, lse.data_ptr<float>(),
+                        logp.data_ptr<float>(), ep, rows, v);
+  } else {
+    head_forward_kernel(logits.data_ptr<c10::BFloat16>(), targets.data_ptr<int64_t>(), t, lse.data_ptr<float>(),
+                        logp.data_ptr<float>(), ep, rows, v);
+  }
+  return {lse, logp, ent};
+}
+
+void head_backward_(at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& grad,
+                    double temperature) {
+  check_head(logits, targets, "head_backward_");
+  for (const at::Tensor* p : {&lse, &grad}) {
+    TORCH_CHECK(p->scalar_type() == at::kFloat && p->is_contiguous() && p->numel() == logits.size(0),
+                "head_backward_: fp32 lse and grad, one per row");
+  }
+  const int64_t rows = logits.size(0), v = logits.size(1);
+  const bool divide = temperature > 0 && temperature != 1;
+  const float t = divide ? static_cast<float>(temperature) : 1.f;
+  if (logits.scalar_type() == at::kFloat) {
+    head_backward_kernel(logits.data_ptr<float>(), targets.data_ptr<int64_t>(), lse.data_ptr<float>(),
+                         grad.data_ptr<float>(), t, divide, rows, v);
+  } else {
+    head_backward_kernel(logits.data_ptr<c10::BFloat16>(), targets.data_ptr<int64_t>(), lse.data_ptr<float>(),
+                         grad.data_ptr<float>(), t, divide, rows, v);
+  }
+}
 #endif
 
 #ifdef QURL_INT8_GEMM
@@ -1065,5 +1198,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query token per sequence over its cache");
 #ifdef QURL_SAMPLE_ROWS
   m.def("sample_rows", &sample_rows, "tokens and logprobs of greedy or temperature draws, no top-k / top-p");
+  m.def("head_forward", &head_forward, "the learner head's lse, target log-prob and entropy per logits row");
+  m.def("head_backward_", &head_backward_, "the learner head's d logp / d logits, in place over the logits");
 #endif
 }
