@@ -218,7 +218,7 @@ def head_logprobs(
 
     head.forward = forward
     try:
-        with _attention(inputs["input_ids"]):
+        with _attention(model, inputs["input_ids"]):
             logp = model(use_cache=False, **inputs).logits
     finally:
         del head.forward
@@ -232,10 +232,15 @@ def head_logprobs(
 MATH_ATTENTION_BELOW = 192
 
 
-def _attention(input_ids: torch.Tensor) -> contextlib.AbstractContextManager:
+def _attention(model: nn.Module, input_ids: torch.Tensor) -> contextlib.AbstractContextManager:
     """The SDPA backend for rows this long: the math path for short rows on CPU, else torch's own choice. The
-    choice made in forward holds in backward (its autograd graph)."""
-    if input_ids.device.type == "cpu" and input_ids.shape[-1] < MATH_ATTENTION_BELOW:
+    choice made in forward holds in backward (its autograd graph); activation checkpointing recomputes the forward
+    in backward, outside this context, so a checkpointed model keeps torch's choice."""
+    short = input_ids.device.type == "cpu" and input_ids.shape[-1] < MATH_ATTENTION_BELOW
+    checkpointed = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name, else 4's
+    if checkpointed is None:
+        checkpointed = getattr(model, "is_gradient_checkpointing", False)
+    if short and not checkpointed:
         return sdpa_kernel(SDPBackend.MATH)
     return contextlib.nullcontext()
 
