@@ -19,8 +19,9 @@ to bf16 (with kernels) in the same round.
     python benchmarks/decode.py --attention [--out FILE]   # the kernels' decode attention against SDPA
 
 --apply: what a push costs the int8+bf16+head engine after its bytes are written (TorchEngine.apply_delta's
-model.repack, and the checksum), by part: every int8 linear's re-packs (oneDNN's, and the CPU kernels' own where
-they have an int8 GEMM; the latter also alone), the int8 lm_head's requantization (by the CPU kernel, as the engine
+model.repack, and the checksum), by part: every int8 linear's re-packs (oneDNN's where the engine keeps a copy for
+it, which it does not with AMX, whose kernel takes every row count; and the CPU kernels' own where they have an int8
+GEMM, also alone), the int8 lm_head's requantization (by the CPU kernel, as the engine
 does, and by torch operators, side by side) and its re-pack. One part after another per round, medians over --rounds.
 
 --attention: decode attention at the decode step's shapes (ATTENTION_SHAPES), the CPU kernel against SDPA with the
@@ -211,7 +212,7 @@ def gemm_rows(shapes: dict, rows: list[int], reps: int) -> list[dict]:
         codes, scale = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), dim=-1)
         lin = Int8Linear(["w"], {"w.weight": codes, "w.weight_scale": scale}, torch.float32, torch.device("cpu"))
         kernel = lin._gemm = cpu_kernels.kernels()  # the kernel at every row count, also above the engine's limit
-        lin.repack()
+        lin.use_onednn()  # with AMX the engine keeps no oneDNN copy
         for m in rows:
             x = torch.randn(m, k)
             lin._gemm = kernel

@@ -116,6 +116,8 @@ def test_int8_linear_equals_the_onednn_path_in_torch_ops(k, dtype, bias):
     codes, scale = quantize_int8(torch.randn(n, kk), dim=-1)
     tensors = {"w.weight": codes, "w.weight_scale": scale} | ({"w.bias": torch.randn(n)} if bias else {})
     lin = Int8Linear(["w"], tensors, dtype, torch.device("cpu"))
+    lin.use_onednn()  # with AMX the engine keeps no oneDNN copy: its kernel takes every row count
+    lin._gemm = None  # the oneDNN path, in one call
     if lin._fused(torch.zeros(1, kk, dtype=dtype)) is None:
         pytest.skip("oneDNN's int8 GEMM is not exact on this CPU (no VNNI): the linear splits the codes by sign")
     x = (torch.randn(9, kk) * 3).to(dtype)
@@ -123,13 +125,17 @@ def test_int8_linear_equals_the_onednn_path_in_torch_ops(k, dtype, bias):
     got = lin(x)
     assert got.dtype == dtype and torch.equal(got, want)
     head = Int8Head(torch.randn(n, kk).to(dtype))
+    head.use_onednn()
+    head._gemm = None
     assert torch.equal(head(x), head._int8_onednn(x, torch.float32))
     with pytest.raises(RuntimeError, match="int8_linear bias"):
         k.int8_linear(x, lin.packed, lin.scale.view(-1), lin.zero_points, torch.zeros(n + 1, dtype=dtype), False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,kk", [(1, 16, 64), (16, 960, 576), (17, 37, 70), (32, 100, 3), (128, 48, 128)])
+@pytest.mark.parametrize(
+    "m,n,kk", [(1, 16, 64), (16, 960, 576), (17, 37, 70), (32, 100, 3), (128, 48, 128), (300, 40, 192)]
+)
 def test_int8_gemm_kernel_equals_the_onednn_path(k, dtype, m, n, kk):
     """Bit for bit: exact int32 sums and the same fp32 dequantization, bias added in the model dtype."""
     if not k.int8_gemm:
@@ -138,6 +144,7 @@ def test_int8_gemm_kernel_equals_the_onednn_path(k, dtype, m, n, kk):
     codes, scale = quantize_int8(torch.randn(n, kk))
     tensors = {"p.weight": codes, "p.weight_scale": scale, "p.bias": torch.randn(n)}
     lin = Int8Linear(["p"], tensors, dtype, torch.device("cpu"))
+    lin.use_onednn()
     x = torch.randn(m, kk).to(dtype)
     lin._gemm = k  # the kernel's path (AMX tiles where K is a multiple of 64, else VNNI; on AVX2 its own)
     lin.repack()
@@ -162,6 +169,18 @@ def test_int8_pack_lays_out_panels_of_16_rows_by_4_inputs(k, n, kk):
     padded[:n, :kk] = codes
     assert torch.equal(packed, padded.view(nb, 16, k4, 4).transpose(1, 2))
     assert torch.equal(comp, 128 * padded.sum(1, dtype=torch.int32))
+
+
+def test_an_amx_engine_keeps_one_copy_of_the_codes(k):
+    """Where the kernel takes every row count (AMX), prefill's too, a linear keeps no oneDNN copy: a push re-derives
+    one copy of the codes, not two; elsewhere oneDNN's serves the rows above the kernel's limit."""
+    codes, scale = quantize_int8(torch.randn(64, 128))
+    lin = Int8Linear(["w"], {"w.weight": codes, "w.weight_scale": scale}, torch.float32, torch.device("cpu"))
+    every_row = k.int8_gemm == "amx"
+    assert (lin.packed is None) == every_row and (lin.panels is not None) == bool(k.int8_gemm)
+    x = torch.randn(2000, 128)
+    assert lin._takes_kernel(x) == every_row
+    torch.testing.assert_close(lin(x), int8_matmul(x, codes, scale.t()), rtol=1e-5, atol=1e-5)
 
 
 def test_int8_gemm_copies_follow_in_place_updates(k):

@@ -190,6 +190,8 @@ def test_cpu_prepacked_int8_equals_int_mm():
     prefixes = ["model.layers.0.self_attn.o_proj"]
     q = quantize_state_dict({prefixes[0] + ".weight": torch.randn(96, 160, generator=g) * 0.05}, "int8")
     lin = Int8Linear(prefixes, q, torch.float32, torch.device("cpu"))
+    lin.use_onednn()  # the engine's own where its kernel does not take every row count (all but AMX)
+    lin._gemm = None
     assert lin.packed is not None and lin.split == (not onednn_int8_is_exact())
     for split, m in itertools.product(sorted({True, lin.split}), (1, 7, 64)):
         lin.split = split

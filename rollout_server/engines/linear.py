@@ -10,6 +10,7 @@ WeightOnlyInt8Linear), so a call runs its scheme's kernel without asking which s
 from __future__ import annotations
 
 import functools
+import sys
 from types import ModuleType
 
 import torch
@@ -126,14 +127,15 @@ class Int8Linear(_RowScaled):
         # CPU: a oneDNN-prepacked copy of the codes, about 2x faster than torch._int_mm at decode shapes (13-20x
         # with the sign split on an AVX2-only CPU, where _int_mm has no fast kernel)
         # and, with AMX, AVX-512 VNNI or AVX2, the CPU kernels' copy of the codes for decode batches
-        # (csrc/decode_cpu.cpp; up to int8_gemm_max_rows rows, above which oneDNN is as fast)
+        # (csrc/decode_cpu.cpp; up to int8_gemm_max_rows rows, above which oneDNN is as fast). With AMX the kernel
+        # takes every row count and no oneDNN copy is kept: a push re-derives one copy, not two.
         self.packed = self.panels = None
-        self._onednn = _ONEDNN_QLINEAR and self.weight.device.type == "cpu"
-        self._gemm = int8_gemm_kernels() if self._onednn else None
-        if self._onednn:
-            self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
-            self.split = not onednn_int8_is_exact()
-            self.ones = torch.ones(self.weight.shape[0])
+        cpu = _ONEDNN_QLINEAR and self.weight.device.type == "cpu"
+        self._gemm = int8_gemm_kernels() if cpu else None
+        self._onednn = False
+        if cpu and (self._gemm is None or self._gemm.int8_gemm_max_rows < sys.maxsize):
+            self.use_onednn()
+        elif self._gemm is not None:
             self.repack()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +146,15 @@ class Int8Linear(_RowScaled):
         if self.packed is not None and x.dtype != torch.float64:
             return self._add_bias(self._int8_onednn(x, x.dtype), x)
         return self._add_bias(int8_matmul(x, self.weight, self.scale_t), x)
+
+    def use_onednn(self) -> None:
+        """Keep oneDNN's prepacked copy of the codes too: the path above the kernel's rows (tests and
+        benchmarks/decode.py --gemm compare the kernel against it where the engine keeps none)."""
+        self._onednn = True
+        self.zero_points = torch.zeros(self.weight.shape[0], dtype=torch.int64)
+        self.split = not onednn_int8_is_exact()
+        self.ones = torch.ones(self.weight.shape[0])
+        self.repack()
 
     def repack(self) -> None:
         """Rebuild the prepacked codes from the int8 buffers; needed after they were written in place."""

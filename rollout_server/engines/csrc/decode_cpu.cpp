@@ -327,7 +327,10 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
 #define QURL_INT8_GEMM
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 constexpr const char* kInt8Gemm = "amx";  // AMX tiles where K is a multiple of 64, else VNNI
-constexpr int64_t kInt8GemmMaxRows = 128;  // at 64-128 rows 0.71-1.65x oneDNN's AMX qlinear: mixed (RESULTS §13)
+// every row count, prefill's too: at 256-2,880 rows of SmolLM2's shapes on par with oneDNN's AMX qlinear (0.48-1.60x
+// per shape and call, noisy, ~1x in the mean; RESULTS §13), and the engine then keeps no oneDNN copy of the codes,
+// whose re-pack was 0.40 s of a push's 0.60 s of re-derivations
+constexpr int64_t kInt8GemmMaxRows = INT64_MAX;
 #else
 constexpr const char* kInt8Gemm = "avx512-vnni";
 constexpr int64_t kInt8GemmMaxRows = 32;  // above it oneDNN's qlinear is as fast (RESULTS §13)
