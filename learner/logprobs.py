@@ -51,8 +51,8 @@ class _ChunkedLogprob(torch.autograd.Function):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         out = torch.empty(shape, dtype=torch.float32, device=hidden.device)  # returned whole: not a view
         logp = out.view(-1)
+        kernels = _kernels(hidden)
         for s in range(0, hidden.shape[0], rows):
-            kernels = _kernels(hidden)
             if kernels is not None:  # one pass per row over the matmul's logits, no fp32 copy of them
                 logits = F.linear(hidden[s : s + rows], weight)
                 row_lse, row_logp, row_ent = kernels.head_forward(
