@@ -285,8 +285,6 @@ def profile_rows(model: str, threads: int, precision: str) -> list[dict]:
 def profile_batch(workload: tuple, vocab: int) -> Batch:
     """Random groups of the workload's shape: each group's samples share one prompt (prompt length drawn per group,
     response length per sample), as the server's groups do."""
-    from learner.batch import Batch
-
     prompts, samples, (plo, phi), (rlo, rhi) = workload
     g = torch.Generator().manual_seed(0)
     group = torch.arange(prompts * samples) // samples

@@ -11,7 +11,8 @@ inside the root module's forward, with its parameters unsharded and the root's b
 
 The learner passes `keep`, its response tokens: only those positions reach the head. A micro-batch's positions
 start..T-1 also hold the longer prompts' tails and the shorter responses' padding, which were half of them or more
-at the recipes' shapes (gym: 1,728 positions for ~640 response tokens; the micro benchmark's: 5,216 for 2,611).
+at the recipes' shapes (gym: about 1,700 positions for about 640 response tokens; the micro benchmark's: about twice
+its 2,611).
 """
 
 from __future__ import annotations
