@@ -23,7 +23,7 @@ lint:  # ruff, configured in pyproject.toml: the linter, then the formatter's ch
 	@bash scripts/setup.sh test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m rollout_server.engines.cpu_kernels --check-cpu-kinds  # the CPU kernels compile for each x86 kind
+	$(BIN)/python -m qurl.cpu_kernels --check-cpu-kinds  # the CPU kernels compile for each x86 kind
 
 test:
 	@bash scripts/setup.sh test

@@ -5,7 +5,7 @@ Models: `smollm2` (the real track's SmolLM2-135M-Instruct, real held-out prompts
 configuration runs once per round, round-robin, so that load from other processes spreads over all of them;
 rows hold medians over rounds. One measurement: all samples admitted in the first engine step (prefill_s, the
 prefill and one decode step), then `--new-tokens` - 1 decode steps (decode_tokens_per_s). Configurations are
-common.OWN's formats with the CPU kernels (rollout_server/engines/cpu_kernels.py); `-torch-ops` rows build and run
+common.OWN's formats with the CPU kernels (qurl/cpu_kernels.py); `-torch-ops` rows build and run
 the engine without them: torch operators and oneDNN's GEMMs, the engine as it is with QURL_CPU_KERNELS=0.
 (Before 2026-12-04 they were built with the kernels, so an int8 row kept the kernels' GEMM: results/decode-cpu.json.)
 
@@ -49,7 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import OWN, QWEN2_150M, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
-from rollout_server.engines import GenRequest, cpu_kernels, load_engine  # noqa: E402
+from qurl import cpu_kernels  # noqa: E402
+from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 CONFIGS = ("bf16", "int8+bf16+head", "int8+head", "int8", "bf16-torch-ops", "int8+bf16+head-torch-ops")
 
@@ -126,6 +127,12 @@ def kv_bytes(engine, prompts: list[list[int]], new_tokens: int) -> int:
     cfg = engine.model.cfg
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.k_cache.element_size()
     return int(sum(len(p) + new_tokens / 2 for p in prompts) * per_token)
+
+
+def _off(fn, *args):
+    """fn(*args) with the CPU kernels hidden: the torch operators they replace."""
+    with kernels_off(True):
+        return fn(*args)
 
 
 @contextlib.contextmanager
@@ -230,15 +237,14 @@ def apply_parts(model: str, rounds: int) -> dict:
     """Seconds per part of re-deriving an int8+bf16+head engine's copies after a push (medians over rounds)."""
     from qurl.quant import quantize_int8
     from qurl.wire import delta
-    from rollout_server.engines.linear import int8_rows
 
     engine = load_engine(model, quant="int8", dtype="bfloat16", max_seq_len=64, int8_lm_head=True)
     m, head = engine.model, engine.model.head
     linears = [lin for layer in m.layers for lin in layer.linears]
     parts = {
         "linears_repack_s": lambda: [lin.repack() for lin in linears],
-        "head_quantize_kernel_s": lambda: int8_rows(head.source),
-        "head_quantize_torch_ops_s": lambda: quantize_int8(head.source, dim=-1),
+        "head_quantize_kernel_s": lambda: quantize_int8(head.source),
+        "head_quantize_torch_ops_s": lambda: _off(quantize_int8, head.source),
         "head_repack_s": head.repack,
         "checksum_s": lambda: delta.checksum(engine.weights),
         "repack_all_s": lambda: m.repack(list(engine.weights)),  # what apply_delta runs after the write

@@ -7,8 +7,8 @@ A finished run is skipped on a rerun; --report only rewrites the outputs from th
 
 Writes OUT/real-learning.json (per run: reward per step, both held-out accuracies per weights version, each
 against learner step and against wall-clock seconds since the learner first waited for rollouts; per config: means
-and spread over seeds, and the seconds to reach --target-acc) and OUT/real-learning.png, and prints the JSON
-without curves.
+and spread over seeds, the seconds to reach --target-acc, and learner steps and trained tokens per hour of the clock
+less its inline evaluations) and OUT/real-learning.png, and prints the JSON without curves.
 
     python benchmarks/real_learning.py [--configs int8-acr-s1.5 bf16 int8-ppo] [--seeds 0 1] [--steps 100]
                                        [--target-acc 0.45] [--report] [--out results]
@@ -77,6 +77,24 @@ def clock(run_dir: str) -> dict[int, float]:
     return dict(zip((r["step"] for r in rows), accumulate(spent)))
 
 
+def throughput(run_dir: str, steps: int) -> dict:
+    """Up to `steps`: the clock less the inline evaluations' holds (time/eval_s, the same work for every config), and
+    learner steps and trained response tokens (actor/tokens) per hour of it."""
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    rows = [r for r in rows if "loss/policy" in r and r["step"] <= steps]
+    clock_s = sum((r.get("time/wait_s") or 0.0) + (r.get("time/step_s") or 0.0) for r in rows)
+    eval_s = sum(r.get("time/eval_s") or 0.0 for r in rows)
+    train_s = clock_s - eval_s
+    tokens = sum(r.get("actor/tokens") or 0.0 for r in rows)
+    return {
+        "clock_s": round(clock_s, 1),
+        "eval_s": round(eval_s, 1),
+        "train_s": round(train_s, 1),
+        "steps_per_hour": round(len(rows) * 3600 / train_s, 1) if train_s > 0 else None,
+        "tokens_per_hour": round(tokens * 3600 / train_s) if train_s > 0 else None,
+    }
+
+
 def with_time(points: list[list[float]], seconds: dict[int, float]) -> list[list[float]]:
     """[version, value] -> [version, seconds at that version (0 before the first step), value]."""
     return [[v, round(seconds.get(int(v), 0.0), 1), a] for v, a in points]
@@ -128,6 +146,8 @@ def summarise(rows: list[dict], target: float) -> list[dict]:
             entry[name] = mean_std([_avg(r["curves"].get(key) or []) for r in mine])[0]
         entry["steps"] = mean_std([r["steps"] for r in mine])[0]
         entry["rl_s"] = mean_std([max(r["seconds"].values(), default=None) for r in mine])[0]
+        for key in ("eval_s", "train_s", "steps_per_hour", "tokens_per_hour"):
+            entry[key], entry[f"{key}_std"] = mean_std([r["throughput"][key] for r in mine])
         out.append(entry)
     return out
 
@@ -219,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row["seconds"] = {k: v for k, v in clock(run.dir).items() if k <= args.steps}
         row["timed"] = {k: with_time(v, row["seconds"]) for k, v in row["evals"].items()}
+        row["throughput"] = throughput(run.dir, args.steps)
         rows.append(row)
     result = {
         "benchmark": "real-learning",

@@ -159,12 +159,14 @@ class Evaluation:
         """An eval/acc_fp is generating (rank 0)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def hold(self, step: int, metrics: MetricsLogger | None, final: bool = False) -> None:
+    def hold(self, step: int, metrics: MetricsLogger | None, final: bool = False) -> float:
         """Collective: inline (or `final`, before the run ends), wait until rank 0's eval/acc_fp is done, every rank
-        meeting each HOLD_TICK_S, so that no rank sits in one collective for the evaluation's length."""
+        meeting each HOLD_TICK_S, so that no rank sits in one collective for the evaluation's length; the seconds
+        held (time/eval_s: a step's evaluation is on its time/step_s, and throughput figures leave it out)."""
         if self.mode != "inline" and not final:
             self.log_fp(step, metrics)
-            return
+            return 0.0
+        started = time.perf_counter()
         is_main = dist.get_rank() == 0
         while True:
             busy = torch.tensor([int(is_main and self.busy())])
@@ -175,6 +177,7 @@ class Evaluation:
             if is_main:
                 self._thread.join(HOLD_TICK_S)
         self.log_fp(step, metrics)
+        return time.perf_counter() - started
 
     def log_fp(self, step: int, metrics: MetricsLogger | None) -> None:
         """Rank 0: log an eval/acc_fp that finished; raise what its thread raised."""

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from qurl import cpu_kernels
+
 CHUNK_ELEMENTS = 1 << 26  # logits per chunk (256 MB in fp32); a few such buffers are the head's whole peak
 
 
@@ -109,13 +111,11 @@ class _ChunkedLogprob(torch.autograd.Function):
 
 
 def _kernels(hidden: torch.Tensor) -> ModuleType | None:
-    """The CPU kernels' head ops for these hidden states (rollout_server/engines/cpu_kernels.py: one module, built
-    at set-up), or None: on GPUs, where no compiler built them, and on x86 CPUs without AVX2."""
+    """The CPU kernels' head ops for these hidden states (qurl/cpu_kernels.py: one module, built at set-up), or None:
+    on GPUs, where no compiler built them, and on x86 CPUs without AVX2."""
     if hidden.device.type != "cpu" or hidden.dtype not in (torch.float32, torch.bfloat16):
         return None
-    from rollout_server.engines.cpu_kernels import kernels
-
-    module = kernels()
+    module = cpu_kernels.kernels()
     return module if module is not None and hasattr(module, "head_forward") else None
 
 

@@ -231,8 +231,8 @@ class Learner:
                 sync = self.weight_sync.push(self.state.version, tensors, gathered_s)
             else:
                 self.weight_sync.start(self.state.version, tensors)
-        self.evaluation.hold(self.state.step, self.metrics)
-        return sync
+        held = self.evaluation.hold(self.state.step, self.metrics)
+        return dict(sync, **{"time/eval_s": held}) if self.is_main else sync
 
     def _checkpoint(self) -> None:
         ledger = self.hub.ledger() if self.is_main else None

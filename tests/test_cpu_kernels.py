@@ -1,11 +1,11 @@
-"""The torch engine's CPU kernels against the torch operators they replace (rollout_server/engines/cpu_kernels.py)."""
+"""qurl/cpu_kernels.py: the CPU kernels against the torch operators they replace."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from qurl import cpu_kernels
 from qurl.quant import quantize_int8, quantize_uint8_shifted
-from rollout_server.engines import cpu_kernels
 from rollout_server.engines.linear import Int8Head, Int8Linear, int8_matmul
 from rollout_server.engines.model import rms_norm
 
@@ -43,6 +43,20 @@ def test_quantize_rows_equals_quantize_uint8_shifted(k, dtype):
     x[3] = 0  # an all-zero row: scale 1, codes 128
     (got, got_s), (want, want_s) = k.quantize_uint8_shifted(x), quantize_uint8_shifted(x)
     assert got.dtype == torch.uint8 and torch.equal(got, want) and torch.equal(got_s, want_s)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_int8_takes_the_kernel_bit_for_bit(k, dtype, monkeypatch):
+    """A push's weights and the int8 lm_head: quantize_int8's kernel path equals its torch chain, codes and scales."""
+    torch.manual_seed(5)
+    x = torch.randn(7, 640, dtype=dtype) * torch.logspace(-4, 3, 7)[:, None].to(dtype)
+    x[2] = 0
+    x[4, 9] = -x[4].abs().max() * 2  # the row's largest magnitude negative: code -127
+    got, got_s = quantize_int8(x)
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    want, want_s = quantize_int8(x)
+    assert got.dtype == want.dtype == torch.int8 and torch.equal(got, want) and torch.equal(got_s, want_s)
+    assert int(got[4, 9]) == -127 and int(got[2].abs().max()) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,6 +12,7 @@ from qurl.quant import (
     SCALE_SUFFIXES,
     SCHEMES,
     changed_fraction,
+    changed_indices,
     dequantize_fp8,
     dequantize_int8,
     dequantize_state_dict,
@@ -306,3 +307,26 @@ def test_config_choices_are_the_registry_settings():
 
     assert tuple(CHOICES["rollout.quant"]) == QUANT_SETTINGS
     assert set(CHOICES["quant.fp8_granularity"]) == set(FP8_BY_GRANULARITY)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.float64])
+def test_changed_indices_by_the_cpu_kernel_equal_the_torch_chain(dtype, monkeypatch):
+    """Bit patterns, not values (-0.0 against 0.0 changed, one NaN against itself not), at the first element, inside
+    and across eight-byte words, in a tail shorter than a word, and none at all."""
+    from qurl import cpu_kernels
+
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no CPU kernels here")
+    old = torch.zeros(4099, dtype=torch.float32)
+    old[7] = float("nan")
+    new = old.clone()
+    new[[0, 9, 10, 1000, 4096, 4098]] = torch.tensor([1.0, -0.0, 3.0, -2.0, 0.5, 7.0])
+    a, b = old.to(dtype), new.to(dtype)
+    if dtype == torch.int8:  # no -0.0 or NaN in int8: another change in their place
+        b[11] = 5
+    got = [changed_indices(a, b), changed_indices(a, a.clone())]
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    want = [changed_indices(a, b), changed_indices(a, a.clone())]
+    assert got[0].dtype == want[0].dtype == torch.int64 and torch.equal(got[0], want[0]) and got[1].numel() == 0
+    assert torch.equal(got[1], want[1])
+    assert 9 in got[0].tolist() or dtype == torch.int8  # -0.0 differs from 0.0 as bits

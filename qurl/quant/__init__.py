@@ -2,6 +2,7 @@
 
 from qurl.quant.absmax import (
     changed_fraction,
+    changed_indices,
     dequantize_fp8,
     dequantize_int8,
     expand_blocks,
@@ -35,6 +36,7 @@ __all__ = [
     "SCHEMES",
     "Scheme",
     "changed_fraction",
+    "changed_indices",
     "dequantize_fp8",
     "dequantize_int8",
     "dequantize_state_dict",

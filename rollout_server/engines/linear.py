@@ -16,6 +16,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from qurl.cpu_kernels import int8_gemm_kernels, usable
 from qurl.quant import (
     FP8_BLOCK,
     FP8_CHANNEL,
@@ -27,7 +28,6 @@ from qurl.quant import (
     quantize_int8,
     quantize_uint8_shifted,
 )
-from rollout_server.engines.cpu_kernels import int8_gemm_kernels, usable
 
 _CUDA_INT_MM_MIN_M = 17  # cuBLAS int8 GEMM in torch._int_mm needs more than 16 rows
 _ONEDNN = torch.backends.mkldnn.is_available()
@@ -204,7 +204,7 @@ class Int8Head(Int8Linear):
 
     def __init__(self, source: torch.Tensor) -> None:
         self.source = source
-        codes, scale = int8_rows(source)
+        codes, scale = quantize_int8(source)
         super().__init__(
             ["lm_head"], {"lm_head.weight": codes, "lm_head.weight_scale": scale}, source.dtype, source.device
         )
@@ -221,7 +221,7 @@ class Int8Head(Int8Linear):
 
     def refresh(self) -> None:
         """Requantize after a push wrote `source` in place."""
-        codes, scale = int8_rows(self.source)
+        codes, scale = quantize_int8(self.source)
         self.weight.copy_(codes)
         self.scale.copy_(scale)
         self.repack()
@@ -295,16 +295,6 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k is not None and x.dim() == 2 and x.is_contiguous():
         return k.quantize_uint8_shifted(x)
     return quantize_uint8_shifted(x)
-
-
-def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_int8(w) per row, bit for bit; by the CPU kernel's one pass where it applies (every push requantizes
-    the int8 lm_head: 13-17 ms against 171-253 ms for SmolLM2's bf16 49152 x 576 on one AMX Xeon thread)."""
-    k = usable(w)
-    if k is None or w.dim() != 2 or not w.is_contiguous():
-        return quantize_int8(w, dim=-1)
-    shifted, scale = k.quantize_uint8_shifted(w)
-    return shifted.view(torch.int8).bitwise_xor_(-128), scale  # c + 128 as uint8 -> c as int8: flip the top bit
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

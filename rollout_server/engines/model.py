@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from qurl.cpu_kernels import usable
 from qurl.quant import Scheme
-from rollout_server.engines.cpu_kernels import usable
 from rollout_server.engines.linear import LINEARS, Int8Head, dense_linear
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout_server.engines.cpu_kernels import usable
+from qurl.cpu_kernels import usable
 
 
 def sample(

@@ -1,6 +1,7 @@
 // CPU kernels for the torch engine's decode step: the operators around the GEMMs, one pass each.
 // Each replaces a chain of small torch ops whose dispatch costs more than their arithmetic at decode shapes
 // (rows = sequences in the batch). Semantics match rollout_server/engines/model.py and qurl/quant/absmax.py.
+// The learner's: its log-prob head (learner/logprobs.py), a push's int8 codes and its delta (qurl/wire/delta.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -976,6 +977,52 @@ std::tuple<at::Tensor, at::Tensor> quantize_uint8_shifted(const at::Tensor& x) {
   return {q, s};
 }
 
+// Appends the indices of the elements where a and b differ: 64-byte blocks compared whole (vectorized), the
+// elements of a block that differs one by one; U is an unsigned integer of the element's size (bit patterns).
+template <typename U>
+void scan_changed(const U* a, const U* b, int64_t n, std::vector<int64_t>& out) {
+  constexpr int64_t kBlock = 64 / sizeof(U);
+  const int64_t blocks = n / kBlock;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const U* x = a + blk * kBlock;
+    const U* y = b + blk * kBlock;
+    U diff = 0;
+    for (int64_t j = 0; j < kBlock; ++j) diff |= x[j] ^ y[j];
+    if (diff == 0) continue;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      if (x[j] != y[j]) out.push_back(blk * kBlock + j);
+    }
+  }
+  for (int64_t i = blocks * kBlock; i < n; ++i) {
+    if (a[i] != b[i]) out.push_back(i);
+  }
+}
+
+// Flat indices (int64, increasing) of the elements whose bit patterns differ between two tensors of one shape and
+// dtype: a delta push's diff (qurl/wire/delta.py) in one read of each, where the torch chain wrote a bool tensor and
+// read it twice. Few elements change between two optimizer steps.
+at::Tensor changed_indices(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "changed_indices: CPU tensors");
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "changed_indices: contiguous tensors");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes(), "changed_indices: one shape and dtype");
+  const int64_t n = a.numel();
+  std::vector<int64_t> out;
+  switch (a.element_size()) {
+    case 1: scan_changed(static_cast<const uint8_t*>(a.data_ptr()), static_cast<const uint8_t*>(b.data_ptr()), n, out);
+      break;
+    case 2: scan_changed(static_cast<const uint16_t*>(a.data_ptr()), static_cast<const uint16_t*>(b.data_ptr()), n, out);
+      break;
+    case 4: scan_changed(static_cast<const uint32_t*>(a.data_ptr()), static_cast<const uint32_t*>(b.data_ptr()), n, out);
+      break;
+    case 8: scan_changed(static_cast<const uint64_t*>(a.data_ptr()), static_cast<const uint64_t*>(b.data_ptr()), n, out);
+      break;
+    default: TORCH_CHECK(false, "changed_indices: elements of 1, 2, 4 or 8 bytes");
+  }
+  auto idx = at::empty({static_cast<int64_t>(out.size())}, a.options().dtype(at::kLong));
+  if (!out.empty()) std::memcpy(idx.data_ptr<int64_t>(), out.data(), out.size() * sizeof(int64_t));
+  return idx;
+}
+
 at::Tensor silu_mul(const at::Tensor& gu) {
   check_rows(gu, "silu_mul gate_up");
   const int64_t inter = gu.size(1) / 2;
@@ -1190,6 +1237,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "HF RMSNorm over rows");
   m.def("quantize_uint8_shifted", &quantize_uint8_shifted, "per-row int8 codes + 128 as uint8, and fp32 scales");
   m.def("silu_mul", &silu_mul, "up * silu(gate) over [gate | up] rows");
+  m.def("changed_indices", &changed_indices, "flat indices of the elements whose bit patterns differ");
   m.def("int8_linear", &int8_linear, "an int8 linear by oneDNN's prepacked GEMM: quantize, GEMM, dequantize (+ bias)");
   m.def("rope_cache", &rope_cache, "rotary q and k of one token per sequence; k, v written to the cache");
   m.attr("vector_attention") = kVectorAttention;

@@ -1,10 +1,11 @@
-"""The torch engine's CPU kernels (csrc/decode_cpu.cpp): RMSNorm, per-token int8 quantization, SiLU x up, rotary
-with the cache write, decode attention, the temperature draw (sampling.py), an int8 linear by oneDNN's GEMM in one call
-(quantize, GEMM, dequantize), and an int8 GEMM for decode batches (AMX tiles, AVX-512 VNNI or AVX2). The learner's
-log-prob head (learner/logprobs.py) uses two of them: one compiled module for both sides, built once.
+"""The CPU kernels both processes use (csrc/decode_cpu.cpp). The torch engine's: RMSNorm, per-token int8 quantization,
+SiLU x up, rotary with the cache write, decode attention, the temperature draw (sampling.py), an int8 linear by oneDNN's
+GEMM in one call (quantize, GEMM, dequantize), and an int8 GEMM for decode batches (AMX tiles, AVX-512 VNNI or AVX2).
+The learner's: the log-prob head's forward and backward (learner/logprobs.py), and the per-row int8 quantization of a
+weight push (qurl/quant/absmax.py). One compiled module, built once per CPU kind.
 
 Built once per CPU kind with the machine's own vector instructions (`-march=native`), at set-up
-(`python -m rollout_server.engines.cpu_kernels`) or on first use; where no compiler is found the
+(`python -m qurl.cpu_kernels`) or on first use; where no compiler is found the
 engine keeps its torch operators, with one warning line. At decode shapes each kernel replaces a
 chain of small torch ops whose dispatch costs more than their arithmetic (RESULTS §13).
 """
