@@ -145,6 +145,23 @@ def test_real_learning_clock_counts_the_wait_for_rollouts(tmp_path):
     assert real_learning.clock(str(tmp_path)) == {1: 120.0, 2: 150.0}
 
 
+def test_real_learning_throughput_leaves_the_inline_evaluations_out(tmp_path):
+    """Steps and trained tokens per hour of the clock less time/eval_s (the same evaluation work in every config),
+    up to the horizon; runs from before time/eval_s count no evaluation."""
+    import real_learning
+
+    rows = [
+        {"step": 1, "loss/policy": 0.1, "time/wait_s": 2.0, "time/step_s": 4.0, "actor/tokens": 500.0},
+        {"step": 2, "loss/policy": 0.1, "time/wait_s": 0.0, "time/step_s": 40.0, "time/eval_s": 36.0},
+        {"step": 2, "eval/acc_fp": 0.5},
+        {"step": 3, "loss/policy": 0.1, "time/wait_s": 9.0, "time/step_s": 9.0, "actor/tokens": 900.0},
+    ]
+    rows[1]["actor/tokens"] = 700.0
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = real_learning.throughput(str(tmp_path), steps=2)
+    assert got == {"clock_s": 46.0, "eval_s": 36.0, "train_s": 10.0, "steps_per_hour": 720.0, "tokens_per_hour": 432000}
+
+
 def test_rounds_advance_the_run_furthest_behind_to_common_segment_ends():
     done = {"a": 0, "b": 0, "c": 0}
     order = []

@@ -737,3 +737,35 @@ def test_all_finite_finds_one_bad_element_anywhere(dtype):
             u = t.clone()
             u[where] = bad
             assert not all_finite(u), (bad, where)
+
+
+KEEP_FREED = """
+import ctypes, sys
+import torch
+from learner.main import keep_freed_memory
+
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+                                                "keepcost").split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+kept = keep_freed_memory()
+x = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)  # over glibc's largest mmap threshold (32 MB)
+del x
+print(kept, libc.mallinfo2().fordblks >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+@pytest.mark.parametrize("tunables", [None, "glibc.malloc.mmap_max=0"])
+def test_a_cpu_learner_keeps_the_memory_it_frees_unless_glibc_tunables_say_otherwise(tunables):
+    """keep_freed_memory: a freed 64 MB block stays in the heap for the next step's buffers (no mmap, no trim), where
+    glibc would have unmapped it; a GLIBC_TUNABLES malloc setting of the user's is left alone."""
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | (
+        {"GLIBC_TUNABLES": tunables} if tunables else {}
+    )
+    out = subprocess.run([sys.executable, "-c", KEEP_FREED], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    kept, free_mb = out.stdout.split()
+    assert (kept, int(free_mb) >= 64) == (("True", True) if tunables is None else ("False", False)), out.stdout
