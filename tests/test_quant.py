@@ -312,7 +312,8 @@ def test_config_choices_are_the_registry_settings():
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.float64])
 def test_changed_indices_by_the_cpu_kernel_equal_the_torch_chain(dtype, monkeypatch):
     """Bit patterns, not values (-0.0 against 0.0 changed, one NaN against itself not), at the first element, inside
-    and across eight-byte words, in a tail shorter than a word, and none at all."""
+    and across 64-byte blocks, in a tail shorter than a block, none at all, and every element (an fp32 engine's
+    unquantized tensors)."""
     from qurl import cpu_kernels
 
     if cpu_kernels.kernels() is None:
@@ -324,9 +325,10 @@ def test_changed_indices_by_the_cpu_kernel_equal_the_torch_chain(dtype, monkeypa
     a, b = old.to(dtype), new.to(dtype)
     if dtype == torch.int8:  # no -0.0 or NaN in int8: another change in their place
         b[11] = 5
-    got = [changed_indices(a, b), changed_indices(a, a.clone())]
+    every = torch.arange(1, 4100).to(dtype)
+    got = [changed_indices(a, b), changed_indices(a, a.clone()), changed_indices(a, every)]
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
-    want = [changed_indices(a, b), changed_indices(a, a.clone())]
+    want = [changed_indices(a, b), changed_indices(a, a.clone()), changed_indices(a, every)]
     assert got[0].dtype == want[0].dtype == torch.int64 and torch.equal(got[0], want[0]) and got[1].numel() == 0
-    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     assert 9 in got[0].tolist() or dtype == torch.int8  # -0.0 differs from 0.0 as bits

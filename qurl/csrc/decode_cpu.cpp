@@ -977,25 +977,39 @@ std::tuple<at::Tensor, at::Tensor> quantize_uint8_shifted(const at::Tensor& x) {
   return {q, s};
 }
 
-// Appends the indices of the elements where a and b differ: 64-byte blocks compared whole (vectorized), the
-// elements of a block that differs one by one; U is an unsigned integer of the element's size (bit patterns).
+// The flat indices of the elements where a and b differ, U an unsigned integer of the element's size (bit patterns):
+// 64-byte blocks compared whole (vectorized), then the elements of each block that differs. The blocks that differ
+// are listed first and counted, so the output is allocated once at its size (a tensor whose every element moved
+// gives as many indices as elements, and no growing buffer holds them twice).
 template <typename U>
-void scan_changed(const U* a, const U* b, int64_t n, std::vector<int64_t>& out) {
+at::Tensor changed_in(const U* a, const U* b, int64_t n, const at::TensorOptions& options) {
   constexpr int64_t kBlock = 64 / sizeof(U);
   const int64_t blocks = n / kBlock;
+  auto differs = [&](int64_t i) { return a[i] != b[i]; };
+  std::vector<int64_t> touched;  // blocks that differ, and the tail as one more when it does
+  int64_t count = 0;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const U* x = a + blk * kBlock;
     const U* y = b + blk * kBlock;
     U diff = 0;
     for (int64_t j = 0; j < kBlock; ++j) diff |= x[j] ^ y[j];
     if (diff == 0) continue;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      if (x[j] != y[j]) out.push_back(blk * kBlock + j);
+    touched.push_back(blk);
+    for (int64_t j = 0; j < kBlock; ++j) count += x[j] != y[j];
+  }
+  int64_t tail = 0;
+  for (int64_t i = blocks * kBlock; i < n; ++i) tail += differs(i);
+  auto idx = at::empty({count + tail}, options.dtype(at::kLong));
+  int64_t* out = idx.data_ptr<int64_t>();
+  for (const int64_t blk : touched) {
+    for (int64_t i = blk * kBlock; i < (blk + 1) * kBlock; ++i) {
+      if (differs(i)) *out++ = i;
     }
   }
-  for (int64_t i = blocks * kBlock; i < n; ++i) {
-    if (a[i] != b[i]) out.push_back(i);
+  for (int64_t i = blocks * kBlock; tail && i < n; ++i) {
+    if (differs(i)) *out++ = i;
   }
+  return idx;
 }
 
 // Flat indices (int64, increasing) of the elements whose bit patterns differ between two tensors of one shape and
@@ -1005,22 +1019,16 @@ at::Tensor changed_indices(const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "changed_indices: CPU tensors");
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "changed_indices: contiguous tensors");
   TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes(), "changed_indices: one shape and dtype");
+  const void* pa = a.data_ptr();
+  const void* pb = b.data_ptr();
   const int64_t n = a.numel();
-  std::vector<int64_t> out;
   switch (a.element_size()) {
-    case 1: scan_changed(static_cast<const uint8_t*>(a.data_ptr()), static_cast<const uint8_t*>(b.data_ptr()), n, out);
-      break;
-    case 2: scan_changed(static_cast<const uint16_t*>(a.data_ptr()), static_cast<const uint16_t*>(b.data_ptr()), n, out);
-      break;
-    case 4: scan_changed(static_cast<const uint32_t*>(a.data_ptr()), static_cast<const uint32_t*>(b.data_ptr()), n, out);
-      break;
-    case 8: scan_changed(static_cast<const uint64_t*>(a.data_ptr()), static_cast<const uint64_t*>(b.data_ptr()), n, out);
-      break;
+    case 1: return changed_in(static_cast<const uint8_t*>(pa), static_cast<const uint8_t*>(pb), n, a.options());
+    case 2: return changed_in(static_cast<const uint16_t*>(pa), static_cast<const uint16_t*>(pb), n, a.options());
+    case 4: return changed_in(static_cast<const uint32_t*>(pa), static_cast<const uint32_t*>(pb), n, a.options());
+    case 8: return changed_in(static_cast<const uint64_t*>(pa), static_cast<const uint64_t*>(pb), n, a.options());
     default: TORCH_CHECK(false, "changed_indices: elements of 1, 2, 4 or 8 bytes");
   }
-  auto idx = at::empty({static_cast<int64_t>(out.size())}, a.options().dtype(at::kLong));
-  if (!out.empty()) std::memcpy(idx.data_ptr<int64_t>(), out.data(), out.size() * sizeof(int64_t));
-  return idx;
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) {
