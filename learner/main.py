@@ -66,7 +66,7 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 def keep_freed_memory() -> bool:
     """A CPU learner's glibc keeps the memory the process frees for its next allocations: no block served by mmap, no
     heap trimmed. FSDP2 frees and re-allocates every layer's buffers each step, and each fresh page costs a fault:
-    SmolLM2's gym step on one AMX Xeon thread 3.65-3.68 s -> 3.31-3.34 s. A GLIBC_TUNABLES malloc setting wins; False
+    SmolLM2's gym step on one AMX Xeon thread 3.84-3.94 s -> 3.40-3.41 s. A GLIBC_TUNABLES malloc setting wins; False
     where it is set or the C library is not glibc."""
     if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
