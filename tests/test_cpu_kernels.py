@@ -1,5 +1,7 @@
 """qurl/cpu_kernels.py: the CPU kernels against the torch operators they replace."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,7 +54,11 @@ def test_quantize_int8_takes_the_kernel_bit_for_bit(k, dtype, monkeypatch):
     x = torch.randn(7, 640, dtype=dtype) * torch.logspace(-4, 3, 7)[:, None].to(dtype)
     x[2] = 0
     x[4, 9] = -x[4].abs().max() * 2  # the row's largest magnitude negative: code -127
+    calls = []
+    spy = SimpleNamespace(quantize_uint8_shifted=lambda t: calls.append(t.dtype) or k.quantize_uint8_shifted(t))
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: spy)
     got, got_s = quantize_int8(x)
+    assert calls == [dtype]  # the kernel's pass, not the chain
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
     want, want_s = quantize_int8(x)
     assert got.dtype == want.dtype == torch.int8 and torch.equal(got, want) and torch.equal(got_s, want_s)

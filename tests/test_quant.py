@@ -1,6 +1,7 @@
 """qurl.quant: int8 / fp8 round trips and error bounds, scale layouts, equivariance, state dicts."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -326,7 +327,11 @@ def test_changed_indices_by_the_cpu_kernel_equal_the_torch_chain(dtype, monkeypa
     if dtype == torch.int8:  # no -0.0 or NaN in int8: another change in their place
         b[11] = 5
     every = torch.arange(1, 4100).to(dtype)
+    real, calls = cpu_kernels.kernels(), []
+    spy = SimpleNamespace(changed_indices=lambda x, y: calls.append(x.dtype) or real.changed_indices(x, y))
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: spy)
     got = [changed_indices(a, b), changed_indices(a, a.clone()), changed_indices(a, every)]
+    assert calls == [dtype] * 3  # the kernel's pass, not the chain
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
     want = [changed_indices(a, b), changed_indices(a, a.clone()), changed_indices(a, every)]
     assert got[0].dtype == want[0].dtype == torch.int64 and torch.equal(got[0], want[0]) and got[1].numel() == 0

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from qurl.cpu_kernels import kernels, usable
+from qurl import cpu_kernels
 
 WEIGHT_BITS = (4, 5, 6, 7, 8)  # below 8: a mismatch study knob (codes still stored as int8), not a speed feature
 FP8_DTYPE = torch.float8_e4m3fn  # the fp8 codes: e4m3, no inf
@@ -36,7 +36,7 @@ def quantize_int8(x: torch.Tensor, dim: int = -1, bits: int = 8) -> tuple[torch.
     The rows of a contiguous 2-D CPU matrix go through the CPU kernel's one pass, bit for bit: a push quantizes every
     weight of the model (SmolLM2's int8 lm_head: 13-17 ms against 171-253 ms of torch ops on one AMX Xeon thread)."""
     qmax = int_max(bits)
-    if bits == 8 and x.dim() == 2 and dim in (-1, 1) and x.is_contiguous() and (k := usable(x)) is not None:
+    if bits == 8 and x.dim() == 2 and dim in (-1, 1) and x.is_contiguous() and (k := cpu_kernels.usable(x)) is not None:
         shifted, scale = k.quantize_uint8_shifted(x)
         return shifted.view(torch.int8).bitwise_xor_(-128), scale  # c + 128 as uint8 -> c as int8: flip the top bit
     x = x.float()
@@ -123,7 +123,7 @@ def changed_indices(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Increasing flat int64 indices of the elements whose bit patterns differ (one shape and dtype): a delta push's
     diff (qurl/wire/delta.py). On the CPU one pass of the CPU kernels, where the torch chain writes a bool tensor and
     reads it twice (SmolLM2's push: 0.100 -> 0.054 s on one AMX Xeon thread)."""
-    k = kernels() if old.device.type == new.device.type == "cpu" else None
+    k = cpu_kernels.kernels() if old.device.type == new.device.type == "cpu" else None
     if k is not None and old.is_contiguous() and new.is_contiguous():
         return k.changed_indices(old, new)
     bits = _BITS[new.element_size()]
