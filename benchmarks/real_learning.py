@@ -12,6 +12,8 @@ less its inline evaluations) and OUT/real-learning.png, and prints the JSON with
 
     python benchmarks/real_learning.py [--configs int8-acr-s1.5 bf16 int8-ppo] [--seeds 0 1] [--steps 100]
                                        [--target-acc 0.45] [--report] [--out results]
+    # issue 33's synchronous comparison (steps and tokens per hour in the summary)
+    python benchmarks/real_learning.py --configs int8-acr-s1.5-sync bf16-sync --seeds 0 1 --steps 60
     # issue 32's comparison: the corrections on INT8 rollout and on 4-bit weights (the stress regime), a shorter horizon
     python benchmarks/real_learning.py --configs w4-ppo w4-tis w4-icepop w4-geo-rs w4-acr w4-acr-s1.5 int8-ppo \
         int8-tis int8-icepop int8-geo-rs int8-acr int8-acr-s1.5 bf16 --seeds 0 1 --steps 30 --runs-dir runs/gym-recipe \
@@ -35,6 +37,7 @@ from qurl.outputs.report import read_metrics  # noqa: E402
 CONFIG = str(ROOT / "configs" / "smollm2-gym-cpu.yaml")
 NO_SCALING = ["quant.invariant_scaling.s=1.0"]
 FULL_PRECISION = ["rollout.quant=none", "quant.lm_head=false", *NO_SCALING]  # the recipe's int8 head needs int8
+SYNC = "async.max_staleness=0"  # rollout and training take turns
 FOUR_BIT = ["quant.weight_bits=4"]  # the stress regime: int8 codes on a 4-bit grid (a mismatch study knob)
 CONFIGS: dict[str, list[str]] = {
     "int8-acr-s1.5": [],  # the recipe itself: INT8 W8A8 rollout, ACR, invariant scaling s = 1.5, int8 lm_head
@@ -42,6 +45,9 @@ CONFIGS: dict[str, list[str]] = {
     "int8-ppo": ["algo.loss=ppo", *NO_SCALING],  # naive: no correction for the mismatch
     "int8-acr-s1.5-all": ["algo.dynamic_sampling=false"],  # the recipe training on every group, mixed or not
     "fp32": ["rollout.dtype=float32", *FULL_PRECISION],  # full precision where bf16 is emulated
+    # issue 33's synchronous pair: the server waits while the learner trains, each side with every core
+    "int8-acr-s1.5-sync": [SYNC],
+    "bf16-sync": ["rollout.dtype=bfloat16", *FULL_PRECISION, SYNC],
     # the recipe before 2026-12-05's eighth session, which the earlier runs measured: fp32 activations and lm_head
     "int8-fp32-act": ["rollout.dtype=float32", "quant.lm_head=false"],
     # issue 32's comparison of the corrections (docs/algorithms.md), INT8 rollout, then 4-bit weights
