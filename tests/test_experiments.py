@@ -133,7 +133,8 @@ def test_every_real_learning_config_is_a_valid_config():
 
     for name, overrides in real_learning.CONFIGS.items():
         cfg = load_config(real_learning.CONFIG, [*overrides, *real_learning.QUIET], check_paths=False)
-        assert cfg.rollout.quant == ("none" if name in ("bf16", "fp32") else "int8"), name
+        assert cfg.rollout.quant == ("none" if name.split("-")[0] in ("bf16", "fp32") else "int8"), name
+        assert (cfg.async_.max_staleness == 0) == name.endswith("-sync"), name
 
 
 def test_real_learning_clock_counts_the_wait_for_rollouts(tmp_path):
