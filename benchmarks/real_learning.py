@@ -18,6 +18,8 @@ less its inline evaluations) and OUT/real-learning.png, and prints the JSON with
     python benchmarks/real_learning.py --configs w4-ppo w4-tis w4-icepop w4-geo-rs w4-acr w4-acr-s1.5 int8-ppo \
         int8-tis int8-icepop int8-geo-rs int8-acr int8-acr-s1.5 bf16 --seeds 0 1 --steps 30 --runs-dir runs/gym-recipe \
         --out results/corrections  # the 60-step runs of the recipe count, cut at step 30
+    # the same at two updates per step, where the clipping rule acts
+    python benchmarks/real_learning.py --configs w4-tis-mb2 w4-acr-mb2 w4-acr-s1.5-mb2 --seeds 0 1 --steps 30
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ NO_SCALING = ["quant.invariant_scaling.s=1.0"]
 FULL_PRECISION = ["rollout.quant=none", "quant.lm_head=false", *NO_SCALING]  # the recipe's int8 head needs int8
 SYNC = "async.max_staleness=0"  # rollout and training take turns
 FOUR_BIT = ["quant.weight_bits=4"]  # the stress regime: int8 codes on a 4-bit grid (a mismatch study knob)
+# two updates per step, each from 8 groups as the recipe's one: the second sees a moved policy (R != 1), the only place
+# where the clipping rule acts, so ACR can differ from TIS (with one update R = 1 and the two objectives are equal)
+TWO_UPDATES = ["train.batch_prompts=16", "train.mini_batches=2"]
 CONFIGS: dict[str, list[str]] = {
     "int8-acr-s1.5": [],  # the recipe itself: INT8 W8A8 rollout, ACR, invariant scaling s = 1.5, int8 lm_head
     "bf16": ["rollout.dtype=bfloat16", *FULL_PRECISION],
@@ -64,6 +69,9 @@ CONFIGS: dict[str, list[str]] = {
             ("geo-rs", ["algo.loss=geo-rs", *NO_SCALING]),
             ("acr", NO_SCALING),
             ("acr-s1.5", []),
+            ("tis-mb2", ["algo.loss=tis", *NO_SCALING, *TWO_UPDATES]),
+            ("acr-mb2", [*NO_SCALING, *TWO_UPDATES]),
+            ("acr-s1.5-mb2", TWO_UPDATES),
         )
     },
 }

@@ -135,6 +135,7 @@ def test_every_real_learning_config_is_a_valid_config():
         cfg = load_config(real_learning.CONFIG, [*overrides, *real_learning.QUIET], check_paths=False)
         assert cfg.rollout.quant == ("none" if name.split("-")[0] in ("bf16", "fp32") else "int8"), name
         assert (cfg.async_.max_staleness == 0) == name.endswith("-sync"), name
+        assert (cfg.train.mini_batches == 2) == name.endswith("-mb2"), name
 
 
 def test_real_learning_clock_counts_the_wait_for_rollouts(tmp_path):
