@@ -52,6 +52,7 @@ CURVE_KEYS = (
     "servers/engine_ms",
     "rollout/response_len_mean",
     "rollout/tokens",
+    "perf/cores_lent_frac",
 )
 EVAL_KEYS = ("eval/acc_fp", "eval/acc_quant")
 LOCK_YIELD_S = 5.0  # run_rounds: pause between segments, so jobs waiting for the CPU lock get it in between

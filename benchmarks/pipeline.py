@@ -22,6 +22,7 @@ share removed. Ratios are computed between rows of this run. Resumable like abla
 folder to measure again.
 
     python benchmarks/pipeline.py [--workload demo|real] [--steps 60] [--warmup 5] [--out FILE] [--quick]
+                                  [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ def measure(row: dict, warmup: int) -> dict:
         "wait_ms_per_token": per_token(sum(wait) / len(keep)),
         "response_len_mean": statistics.fmean(x for x in lengths if x is not None) if lengths else None,
         "staleness_mean": statistics.fmean(c["staleness/mean"][i] or 0.0 for i in keep),
+        # the share of the step the learner held its servers' cores (learner/core_lending.py; absent: it never could)
+        "cores_lent_frac": statistics.fmean(c["perf/cores_lent_frac"][i] or 0.0 for i in keep)
+        if any(v is not None for v in c.get("perf/cores_lent_frac") or [])
+        else None,
     }
 
 
@@ -155,7 +160,7 @@ def ratios(rows: list[dict]) -> dict:
 def demo_runs(args: argparse.Namespace) -> list[tuple[tuple[str, str, bool, int], Run]]:
     quants, staleness = (("int8",), (0, 1)) if args.quick else (QUANTS, STALENESS)
     root, info = demo("add", args.demo_dir)
-    base = demo_overrides(root, info) + (QUICK if args.quick else ["eval.max_problems=32"])
+    base = demo_overrides(root, info) + (QUICK if args.quick else ["eval.max_problems=32"]) + args.set
     return [
         (
             (q, "float32", False, ms),
@@ -182,6 +187,7 @@ def real_runs(args: argparse.Namespace) -> list[tuple[tuple[str, str, bool, int]
     base = [f"model.path={root / MODEL_DIR}", f"data.train_files=[{root / 'gsm' / 'train.jsonl'}]", *REAL_SHAPE]
     if args.quick:
         base += REAL_QUICK
+    base += args.set
     rows = [r for r in REAL_ROWS if r[0] == "int8" and r[1] == "float32"] if args.quick else REAL_ROWS
     rows = [r for r in rows if args.staleness is None or r[3] in args.staleness]
     rows = [r for r in rows if args.formats is None or label(*r[:3]) in args.formats]
@@ -217,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--formats", nargs="+", default=None, help="real workload: only these formats (int8, none+bf16, int8+bf16+head)"
+    )
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides for every run (cluster.lend_idle_cores=false)",
     )
     p.add_argument("--lock", default=None, help="hold an flock on this file during each run (shared machines)")
     p.add_argument("--quick", action="store_true", help="int8 (fp32) only, staleness 0 and 1, 4 steps, small batches")
@@ -254,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "steps": args.steps,
         "warmup": args.warmup,
+        "set": args.set,
         "rows": rows,
         "ratios": ratios(rows),
         "failed": failed,

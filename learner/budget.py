@@ -127,6 +127,13 @@ class Budget:
             self.expired.add(sid)
             return self.holders.pop(sid, None) is not None
 
+    def idle(self, version: int) -> bool:
+        """No server has a group to make: every grant received (or refused), and no room at `version`, the newest
+        weights, for one more (learner/core_lending.py lends the servers' cores to the learner meanwhile)."""
+        with self._lock:
+            accepted, used, received = self.snapshot(version)
+            return self._reserved(received) == 0 and self.limit(used) <= accepted
+
     def take_window(self) -> dict[str, float]:
         """admission/* metrics since the last call: the bound L, the peaks measured against it, the violations."""
         with self._lock:

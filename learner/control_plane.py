@@ -60,6 +60,13 @@ class ControlPlane:
         with self._lock:
             self._eval_wanted = version
 
+    def servers_idle(self) -> bool:
+        """No server has work: no evaluation asked or unanswered, and nothing for it to generate (Budget.idle)."""
+        with self._lock:
+            if self._eval_wanted is not None or self._eval_holder is not None:
+                return False
+        return self.budget.idle(self.weights.version)
+
     def take_eval_results(self) -> list[tuple[int, dict]]:
         """(version, counters with `acc`) of every eval_result received since the last call."""
         with self._lock:

@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from learner import checkpoint, weight_sync
+from learner import checkpoint, core_lending, weight_sync
 from learner.checkpointer import Checkpointer, TrainState
 from learner.errors import BadRewards, MismatchStop, StartError, all_started, first_line
 from learner.evaluation import Evaluation, FpEvaluator, acc_fp_mode
 from learner.hub import Hub
 from learner.mismatch_alarm import MismatchAlarm
-from learner.model import build_policy, invariant_scaling
+from learner.model import build_policy, decoder_layers, invariant_scaling
 from learner.policy_step import DistEnv, PolicyStep
 from learner.reward_health import RewardHealth
 from learner.weight_sync.tensors import gather_engine_tensors
@@ -107,6 +107,10 @@ class Learner:
             enabled=bool(cfg.data.eval_files),
         )
         all_started(problem, self.is_main)
+        # one rank beside co-located CPU servers: their cores while they wait (qurl-async sets it up)
+        self.lending = core_lending.from_env(self.hub.plane.servers_idle) if self.hub.plane and env.world == 1 else None
+        if self.lending is not None:
+            self.lending.attach(decoder_layers(model))
 
     def _open_hub(self, model: torch.nn.Module) -> None:
         """Rank 0: claim the run folder, bind the sockets, build the push transport (nccl: wait for the replicas)."""
@@ -250,6 +254,7 @@ class Learner:
                 "time/step_s": now - started,
                 "train/skipped_steps": self.state.skipped_updates,
                 **self._memory(),
+                **(self.lending.metrics() if self.lending is not None else {}),
             }
         )
         self.metrics.log(self.state.step, metrics)

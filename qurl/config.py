@@ -187,6 +187,9 @@ class ClusterConfig:
     learner_gpus: list[int] = field(default_factory=list)  # empty: CPU
     rollout_gpus: list[int] = field(default_factory=list)
     rollout_servers: int = 1
+    # async on one CPU machine: the learner (one rank) takes the servers' cores while they wait for weights, and gives
+    # them back when they have work (learner/core_lending.py). Off, or OMP_NUM_THREADS set: a fixed split
+    lend_idle_cores: bool = True
 
 
 @dataclass

@@ -177,3 +177,19 @@ def test_simulated_servers_never_exceed_the_global_bound(staleness, batch, n_ser
     # (learner/budget.py accepts that: they count again); the held groups above never exceed it either way
     assert returned or window.get("admission/min_margin", 0) >= 0
     assert window["admission/violations"] == 0
+
+
+def test_idle_only_while_every_grant_arrived_and_no_room_is_left():
+    """learner/core_lending.py lends the servers' cores exactly while this holds."""
+    books = Books()
+    budget = Budget(max_staleness=1, batch_prompts=4, snapshot=books.snapshot)  # L = 8
+    assert not budget.idle(0)  # room for 8 groups and no server yet: one is about to start
+    assert budget.grant("a", 0, 0, {"admitted": 0}, now=0.0) == 8
+    books.accepted, books.received = 6, {"a": 6}
+    assert not budget.idle(0)  # 2 groups still to come
+    books.accepted, books.received = 8, {"a": 8}
+    assert budget.idle(0)  # all arrived, L reached: nothing to make until a step ends
+    books.accepted = 7  # one of them dropped by the filter: room for a replacement
+    assert not budget.idle(0)
+    books.accepted, books.used = 8, 4  # a step used 4 groups: L = 12, room for 4 more
+    assert not budget.idle(1)

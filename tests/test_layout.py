@@ -94,3 +94,30 @@ def test_nccl_runs_give_the_learner_and_every_server_one_nccl_setting(monkeypatc
         assert {k: child.env.get(k) for k in want} == want, child.name
     learner, servers = build_children(cfg(path=DAPO), "c.yaml", "out", available_gpus=8)  # zmq: left alone
     assert "NCCL_NVLS_ENABLE" not in learner.env
+
+
+@pytest.mark.parametrize(
+    "overrides, user_threads, lends",
+    [
+        ([], None, True),  # the demo: async, one CPU rank beside a CPU server
+        (["async.max_staleness=0"], None, False),  # synchronous: each side has every core already
+        (["cluster.learner_ranks=2"], None, False),  # only rank 0 sees the servers' state
+        (["cluster.lend_idle_cores=false"], None, False),
+        ([], "1", False),  # the user's OMP_NUM_THREADS wins
+    ],
+)
+def test_a_cpu_learner_may_borrow_idle_servers_cores(monkeypatch, overrides, user_threads, lends):
+    from qurl.supervisor.launcher import build_children
+    from qurl.supervisor.layout import LEND_CORES_ENV
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if user_threads is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", user_threads)
+    demo = os.path.join(ROOT, "configs", "demo-cpu.yaml")
+    learner, servers = build_children(cfg(*overrides, path=demo), "c.yaml", "out")
+    assert (LEND_CORES_ENV in learner.env) == lends
+    if lends:
+        assert learner.env[LEND_CORES_ENV] == str(os.cpu_count())
+    assert not any(LEND_CORES_ENV in s.env for s in servers)
+    learner, _ = build_children(cfg(path=DAPO), "c.yaml", "out", available_gpus=8)  # GPUs: never
+    assert LEND_CORES_ENV not in learner.env

@@ -32,7 +32,7 @@ from qurl.outputs.report import (
 from qurl.rewards import BUILTIN, FAILED_STATUSES
 from qurl.supervisor import environment, preflight, run_folder
 from qurl.supervisor.cli import EXIT_DIVERGED, EXIT_FAULT, EXIT_INPUT, die_with_parent, parse
-from qurl.supervisor.layout import HEARTBEAT_ENV, REPLACES_ENV, plan
+from qurl.supervisor.layout import HEARTBEAT_ENV, LEND_CORES_ENV, REPLACES_ENV, plan
 
 PROG = "qurl-async"
 
@@ -135,6 +135,23 @@ def threads_per_process(cfg: DictConfig, n_servers: int, cores: int | None = Non
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (cores or os.cpu_count() or 1) // at_once))
 
 
+def lend_cores(cfg: DictConfig, cores: int | None = None) -> str | None:
+    """Every core, for a learner that may take its servers' share while they wait (learner/core_lending.py): async,
+    one CPU rank beside CPU servers, cluster.lend_idle_cores on, and the thread split qurl-async's own; else None."""
+    cluster = cfg.cluster
+    if (
+        get(cfg, "async.max_staleness") == 0
+        or cluster.learner_ranks != 1
+        or cluster.learner_gpus
+        or cluster.rollout_gpus
+        or get(cfg, "rollout.device") != "cpu"
+        or not get(cfg, "cluster.lend_idle_cores")
+        or "OMP_NUM_THREADS" in os.environ
+    ):
+        return None
+    return str(cores or os.cpu_count() or 1)
+
+
 def node_gpus(cfg: DictConfig) -> tuple[int | None, list[str] | None]:
     """(GPUs this node has, the launcher's CUDA_VISIBLE_DEVICES list); (None, None) for a CPU config."""
     if not cfg.cluster.learner_gpus and not cfg.cluster.rollout_gpus:
@@ -153,6 +170,9 @@ def build_children(
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not cfg.cluster.learner_gpus:
         base_env["OMP_NUM_THREADS"] = threads_per_process(cfg, len(server_plans))
+        lend = lend_cores(cfg)
+        if lend is not None:
+            learner_plan.env[LEND_CORES_ENV] = lend
     if get(cfg, "sync.transport") == "nccl":  # one NCCL setting on both ends of the weight broadcasts
         base_env.update({k: base_env.get(k, v) for k, v in NCCL_ENV.items()})
     logs = os.path.join(out, "logs")

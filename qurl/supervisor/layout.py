@@ -18,6 +18,7 @@ from qurl.config import ConfigError, get
 SERVER_INDEX_ENV = "QURL_SERVER_INDEX"
 REPLACES_ENV = "QURL_REPLACES_PID"  # set on a restarted server: its dead predecessor's pid (its budget returns at once)
 HEARTBEAT_ENV = "QURL_HEARTBEAT_FILE"  # touched by a server's loop every heartbeat; qurl-async's watchdog reads it
+LEND_CORES_ENV = "QURL_LEND_CORES"  # the CPU learner's: every core, taken while its servers wait (core_lending.py)
 
 
 @dataclass
