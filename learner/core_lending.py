@@ -4,7 +4,7 @@ have nothing to generate.
 qurl-async splits a CPU machine's cores among the processes that compute at once (qurl/supervisor/launcher.py). With
 a bounded staleness the servers finish the next batch part way through a learner step, then wait for the weights
 with their cores idle, while the learner, held to its own share, sets the pace (the GSM-shaped pipeline on two
-cores: servers busy 8-13 s of a 21-23 s learner step, RESULTS §13). The learner raises its intra-op threads to every
+cores: servers busy 10-16 s of a 23-25 s learner step, RESULTS §13). The learner raises its intra-op threads to every
 core while no server has work (learner/control_plane.py `servers_idle`: every grant received, no room for another,
 no evaluation asked) and returns to its share as soon as one has. It checks at each decoder layer's forward and
 backward, at most every CHECK_S; a server learns of new room at its next heartbeat, about a second later, so the
@@ -56,9 +56,14 @@ class CoreLending:
         if lend and self._lent_since is None:
             torch.set_num_threads(self.cores)
             self._lent_since = now
-        elif not lend and self._lent_since is not None:
+        elif not lend:
+            self.give_back()
+
+    def give_back(self) -> None:
+        """Back to the learner's own share now (its evaluation runs beside the servers'); the next check may lend."""
+        if self._lent_since is not None:
             torch.set_num_threads(self.own)
-            self._lent_s += now - self._lent_since
+            self._lent_s += time.monotonic() - self._lent_since
             self._lent_since = None
 
     def metrics(self) -> dict[str, float]:

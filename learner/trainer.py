@@ -230,6 +230,8 @@ class Learner:
         if self.is_main:
             gathered_s = time.perf_counter() - started
             if state:
+                if self.lending is not None:  # the servers evaluate beside it: each side on its own share
+                    self.lending.give_back()
                 self.evaluation.start(state, self.state.version)  # not part of sync/seconds
             if send:
                 sync = self.weight_sync.push(self.state.version, tensors, gathered_s)

@@ -66,6 +66,20 @@ def test_threads_follow_the_servers_between_forward_and_backward(threads):
     assert lending.metrics()["perf/cores_lent_frac"] == 0.0  # an interval with no lending
 
 
+def test_give_back_returns_the_share_until_the_next_check(threads):
+    """Before an evaluation the learner returns to its own share: the servers evaluate beside it."""
+    seen = []
+    layers = nn.ModuleList([Probe(seen)])
+    lending = CoreLending(own=1, cores=2, idle=lambda: True)
+    lending.attach(layers)
+    layers[0](torch.randn(2, 4))
+    assert torch.get_num_threads() == 2
+    lending.give_back()
+    assert torch.get_num_threads() == 1
+    layers[0](torch.randn(2, 4))  # the servers still wait: the next check lends again
+    assert seen == [("fwd", 2), ("fwd", 2)] and 0 < lending.metrics()["perf/cores_lent_frac"] <= 1
+
+
 def test_no_gradient_no_backward_hook(threads):
     seen = []
     layers = nn.ModuleList([Probe(seen)])
