@@ -135,21 +135,19 @@ def threads_per_process(cfg: DictConfig, n_servers: int, cores: int | None = Non
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (cores or os.cpu_count() or 1) // at_once))
 
 
-def lend_cores(cfg: DictConfig, cores: int | None = None) -> str | None:
-    """Every core, for a learner that may take its servers' share while they wait (learner/core_lending.py): async,
-    one CPU rank beside CPU servers, cluster.lend_idle_cores on, and the thread split qurl-async's own; else None."""
-    cluster = cfg.cluster
+def lend_cores(cfg: DictConfig) -> str | None:
+    """For a CPU learner: every core, when it may take its servers' share while they wait (learner/core_lending.py):
+    async, one rank beside CPU servers, cluster.lend_idle_cores on, and the thread split qurl-async's own; else None."""
     if (
         get(cfg, "async.max_staleness") == 0
-        or cluster.learner_ranks != 1
-        or cluster.learner_gpus
-        or cluster.rollout_gpus
+        or cfg.cluster.learner_ranks != 1
+        or cfg.cluster.rollout_gpus
         or get(cfg, "rollout.device") != "cpu"
         or not get(cfg, "cluster.lend_idle_cores")
         or "OMP_NUM_THREADS" in os.environ
     ):
         return None
-    return str(cores or os.cpu_count() or 1)
+    return str(os.cpu_count() or 1)
 
 
 def node_gpus(cfg: DictConfig) -> tuple[int | None, list[str] | None]:
