@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
+from learner.fused import fuse
 from qurl.hardware import native_bf16
 from qurl.quant.invariant_scaling import apply_invariant_scaling
 
@@ -29,8 +30,10 @@ def invariant_scaling(cfg: DictConfig) -> tuple[float, tuple[str, ...]] | None:
 
 
 def load_hf(path: str, device: torch.device) -> nn.Module:
-    """The checkpoint at `path` in fp32 on `device`, without a KV cache (training never decodes)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    """The checkpoint at `path` in fp32 on `device`, without a KV cache (training never decodes). Without hub
+    kernels: with the `kernels` package present transformers would kernelize at every train() / eval(), putting back
+    each module's own forward over learner/fused.py's."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_kernels=False)
     model.config.use_cache = False
     return model.to(device)
 
@@ -72,6 +75,7 @@ def build_policy(cfg: DictConfig, device: torch.device, trainable: bool = True) 
     scaling = invariant_scaling(cfg)
     if scaling is not None:
         apply_invariant_scaling(model, *scaling)
+    log.debug("fused CPU operators in %d modules", fuse(model))
     if trainable and cfg.model.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
             model.activation_checkpointing_enable({"use_reentrant": False})

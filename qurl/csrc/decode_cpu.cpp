@@ -1,7 +1,8 @@
 // CPU kernels for the torch engine's decode step: the operators around the GEMMs, one pass each.
 // Each replaces a chain of small torch ops whose dispatch costs more than their arithmetic at decode shapes
 // (rows = sequences in the batch). Semantics match rollout_server/engines/model.py and qurl/quant/absmax.py.
-// The learner's: its log-prob head (learner/logprobs.py), a push's int8 codes and its delta (qurl/wire/delta.py).
+// The learner's: its log-prob head (learner/logprobs.py), RMSNorm and SwiGLU forward and backward (learner/fused.py),
+// a push's int8 codes and its delta (qurl/wire/delta.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -715,13 +716,14 @@ void decode_attention_kernel(const at::Tensor&, const at::Tensor&, const at::Ten
 }
 #endif
 
-// out = up * silu(gate) for gate_up = [gate | up] rows, each product rounded to the model dtype as torch does
+// out = up * silu(gate), gate row r at g + r ld and up row r at u + r ld ([gate | up] rows: u = g + inter, ld = 2 inter),
+// silu rounded to the model dtype and then the product, as torch's two operators round
 template <typename T>
-void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
+void silu_mul_rows(const T* gate, const T* up, int64_t ld, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, grain(3 * inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* g = gu + r * 2 * inter;
-      const T* u = g + inter;
+      const T* g = gate + r * ld;
+      const T* u = up + r * ld;
       T* o = out + r * inter;
       int64_t i = 0;
 #if defined(__AVX512F__)
@@ -742,6 +744,90 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
       for (; i < inter; ++i) {
         const float x = load(g, i);
         o[i] = store<T>(static_cast<float>(store<T>(x / (1.f + std::exp(-x)))) * load(u, i));
+      }
+    }
+  });
+}
+
+// the learner's SwiGLU backward over [gate | up] rows and dh = d out: with s = sigmoid(gate) and a = T(silu(gate)) as
+// the forward rounded it, d up = T(dh a) and d gate = T(T(dh up) s (1 + gate (1 - s))): autograd's mul and
+// silu_backward, each rounded to the model dtype where they round
+template <typename T>
+void silu_mul_backward_rows(const T* dh, const T* gu, T* dgu, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, grain(6 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * 2 * inter;
+      const T* u = g + inter;
+      const T* d = dh + r * inter;
+      T* dg = dgu + r * 2 * inter;
+      T* du = dg + inter;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= inter; i += 16) {
+        const __m512 x = load16(g + i), dv = load16(d + i);
+        const __m512 den = _mm512_add_ps(one, exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x),
+                                                                    _mm512_set1_ps(88.f))));
+        const __m512 act = round16(_mm512_div_ps(x, den), T());
+        const __m512 s = _mm512_div_ps(one, den);
+        store16(du + i, _mm512_mul_ps(dv, act));
+        const __m512 da = round16(_mm512_mul_ps(dv, load16(u + i)), T());
+        const __m512 slope = _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, s)));
+        store16(dg + i, _mm512_mul_ps(_mm512_mul_ps(da, s), slope));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= inter; i += 8) {
+        const __m256 x = load8(g + i), dv = load8(d + i);
+        const __m256 den =
+            _mm256_add_ps(one, exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), _mm256_set1_ps(88.f))));
+        const __m256 act = round8(_mm256_div_ps(x, den), T());
+        const __m256 s = _mm256_div_ps(one, den);
+        store8(du + i, _mm256_mul_ps(dv, act));
+        const __m256 da = round8(_mm256_mul_ps(dv, load8(u + i)), T());
+        const __m256 slope = _mm256_add_ps(one, _mm256_mul_ps(x, _mm256_sub_ps(one, s)));
+        store8(dg + i, _mm256_mul_ps(_mm256_mul_ps(da, s), slope));
+      }
+#endif
+      for (; i < inter; ++i) {
+        const float x = load(g, i), dv = load(d, i);
+        const float den = 1.f + std::exp(-x), s = 1.f / den;
+        du[i] = store<T>(dv * static_cast<float>(store<T>(x / den)));
+        const float da = static_cast<float>(store<T>(dv * load(u, i)));
+        dg[i] = store<T>(da * s * (1.f + x * (1.f - s)));
+      }
+    }
+  });
+}
+
+// the learner's RMSNorm backward (rms_norm_rows forward): r = rsqrt(mean(x^2) + eps), n = T(x r), y = w n. With
+// dn = T(dy w), as autograd forms it in the model dtype: dx = T(r dn - x r^3 sum(dn x) / k), and dw = the sum over
+// rows of dy n, in fp32 (one partial per thread in dw_part, added by the caller) where autograd rounds each product
+template <typename T>
+void rms_norm_backward_rows(const T* dy, const T* x, const T* w, T* dx, float* dw_part, int64_t rows, int64_t k,
+                            float eps) {
+  at::parallel_for(0, rows, grain(4 * k), [&](int64_t begin, int64_t end) {
+    float* dw = dw_part + at::get_thread_num() * k;
+    std::vector<float> dn(k);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * k;
+      const T* dyr = dy + r * k;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < k; ++i) ss += load(xr, i) * load(xr, i);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(k) + eps);
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < k; ++i) {
+        dn[i] = static_cast<float>(store<T>(load(dyr, i) * load(w, i)));
+        dot += dn[i] * load(xr, i);
+      }
+      const float c = inv * inv * inv * dot / static_cast<float>(k);
+      T* dxr = dx + r * k;
+#pragma omp simd
+      for (int64_t i = 0; i < k; ++i) {
+        dxr[i] = store<T>(inv * dn[i] - load(xr, i) * c);
+        dw[i] += load(dyr, i) * static_cast<float>(store<T>(load(xr, i) * inv));
       }
     }
   });
@@ -1036,11 +1122,47 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   const int64_t inter = gu.size(1) / 2;
   auto out = at::empty({gu.size(0), inter}, gu.options());
   if (gu.scalar_type() == at::kFloat) {
-    silu_mul_rows(gu.data_ptr<float>(), out.data_ptr<float>(), gu.size(0), inter);
+    const float* g = gu.data_ptr<float>();
+    silu_mul_rows(g, g + inter, 2 * inter, out.data_ptr<float>(), gu.size(0), inter);
   } else {
-    silu_mul_rows(gu.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), gu.size(0), inter);
+    const c10::BFloat16* g = gu.data_ptr<c10::BFloat16>();
+    silu_mul_rows(g, g + inter, 2 * inter, out.data_ptr<c10::BFloat16>(), gu.size(0), inter);
   }
   return out;
+}
+
+at::Tensor silu_mul_backward(const at::Tensor& dh, const at::Tensor& gu) {
+  check_rows(gu, "silu_mul_backward gate_up");
+  check_rows(dh, "silu_mul_backward dh");
+  TORCH_CHECK(dh.scalar_type() == gu.scalar_type() && dh.size(0) == gu.size(0) && 2 * dh.size(1) == gu.size(1),
+              "silu_mul_backward: dh is not [rows, gate_up width / 2] in gate_up's dtype");
+  auto dgu = at::empty_like(gu);
+  if (gu.scalar_type() == at::kFloat) {
+    silu_mul_backward_rows(dh.data_ptr<float>(), gu.data_ptr<float>(), dgu.data_ptr<float>(), gu.size(0), dh.size(1));
+  } else {
+    silu_mul_backward_rows(dh.data_ptr<c10::BFloat16>(), gu.data_ptr<c10::BFloat16>(),
+                           dgu.data_ptr<c10::BFloat16>(), gu.size(0), dh.size(1));
+  }
+  return dgu;
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                                     double eps) {
+  check_rows(x, "rms_norm_backward x");
+  check_rows(dy, "rms_norm_backward dy");
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(), "rms_norm_backward: dy is not x's");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.numel() == x.size(1), "rms_norm_backward w");
+  const int64_t k = x.size(1);
+  auto dx = at::empty_like(x);
+  auto part = at::zeros({at::get_num_threads(), k}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_backward_rows(dy.data_ptr<float>(), x.data_ptr<float>(), w.data_ptr<float>(), dx.data_ptr<float>(),
+                           part.data_ptr<float>(), x.size(0), k, eps);
+  } else {
+    rms_norm_backward_rows(dy.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(),
+                           dx.data_ptr<c10::BFloat16>(), part.data_ptr<float>(), x.size(0), k, eps);
+  }
+  return {dx, part.sum(0).to(x.scalar_type())};
 }
 
 at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
@@ -1245,6 +1367,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "HF RMSNorm over rows");
   m.def("quantize_uint8_shifted", &quantize_uint8_shifted, "per-row int8 codes + 128 as uint8, and fp32 scales");
   m.def("silu_mul", &silu_mul, "up * silu(gate) over [gate | up] rows");
+  m.def("silu_mul_backward", &silu_mul_backward, "[d gate | d up] of silu_mul from d out");
+  m.def("rms_norm_backward", &rms_norm_backward, "d x and d weight of HF RMSNorm");
   m.def("changed_indices", &changed_indices, "flat indices of the elements whose bit patterns differ");
   m.def("int8_linear", &int8_linear, "an int8 linear by oneDNN's prepacked GEMM: quantize, GEMM, dequantize (+ bias)");
   m.def("rope_cache", &rope_cache, "rotary q and k of one token per sequence; k, v written to the cache");
