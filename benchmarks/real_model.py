@@ -17,8 +17,9 @@ Parts (all by default, or a subset with --parts):
   the pipeline benchmark's rollout-shaped batches (2 prompts x 8 samples of 190-260 prompt tokens, responses of
   16-256 tokens drawn per sample, one update per step); the same batches in both runs. padded_tokens is
   rows x longest row per forward, summed over the step's micro-batches (the learner's actor/padded_tokens).
-  achieved_flops = 6 N padded_tokens / train_s (one update per step: no separate proximal pass) against
-  matmul_flops, a [4096, hidden] x [hidden, intermediate] matmul in that precision timed in the same run:
+  achieved_flops = step_flops / train_s (learner_flops: the decoder layers 6 per weight per padded token, the
+  lm_head 6 per weight per response token, causal attention; one update per step: no separate proximal pass)
+  against matmul_flops, a [4096, hidden] x [hidden, intermediate] matmul in that precision timed in the same run:
   share_of_matmul_roofline.
 - packed: the learner step with length-bucketed against prompt-packed micro-batches (learner/packing.py: each
   group's prompt once), in --precision, at the gym recipe's shape (8 prompts x 8 samples, 35-50 prompt tokens,
@@ -27,29 +28,39 @@ Parts (all by default, or a subset with --parts):
   PolicyStep, the gym recipe's settings), at the micro part's batch shape (bucketed micro-batches) and at the gym
   recipe's (packed, as it trains): torch.profiler's self CPU time grouped by kind (matmuls, attention, the log-softmax
   head, the optimizer, the rest), after one warm-up step.
+- fused: the learner step (in --precision, one gloo rank in this process) with learner/fused.py's RMSNorm and SwiGLU
+  against transformers' own modules, at the gym recipe's shape (packed) and the micro part's (bucketed): both policies
+  built side by side, their steps alternating for --rounds after a warm-up round; medians and their ratio.
+- layer: decoder layers of Qwen2.5-7B (hidden 3584, 28 heads; random weights, a vocabulary of 8,192) on the micro
+  part's batches (bucketed): learners with 0 and 2 layers side by side in this process, steps alternating for --rounds
+  after a warm-up; half their difference is one layer's seconds (fsdp, optimizer and all), and its share of the matmul
+  roofline at the 7B's MLP shape (learner_flops for one layer), the part of the step that grows with depth (x 28).
 - sync: int8 codes changed per push and delta / full push bytes per engine dtype after AdamW steps at the
   recipe's learning rate (or --sync-lr), s = 1 and 1.5 (benchmarks/sync.py's run on GSM text).
 
-    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,packed,profile,sync] [--threads 2]
-        [--sync-lr LR] [--precision auto|fp32|bf16] [--out FILE]
+    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,packed,profile,fused,layer,sync]
+        [--threads 2] [--sync-lr LR] [--precision auto|fp32|bf16] [--rounds N] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import OWN, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
+from common import OWN, QWEN25_7B, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
 from learner.batch import Batch  # noqa: E402
 from learner.model import bf16_training  # noqa: E402
@@ -59,10 +70,13 @@ from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the learner's train.precision -> its matmul dtype
-PARTS = ("mismatch", "decode", "learner", "micro", "packed", "profile", "sync")
+PARTS = ("mismatch", "decode", "learner", "micro", "packed", "profile", "fused", "layer", "sync")
 # prompts, samples, prompt tokens, response tokens (a range: drawn per prompt / per sample)
 MICRO_WORKLOAD = (2, 8, (190, 260), (16, 256))  # the pipeline benchmark's rollout-shaped batches
 GYM_WORKLOAD = (8, 8, (35, 50), (8, 12))  # configs/smollm2-gym-cpu.yaml: 8 x 8 samples, ~10-token answers
+FUSED = ("fused", "torch")  # the fused part's two learners: learner/fused.py's norms and MLPs, transformers' own
+LAYER_SHAPE = dict(QWEN25_7B, vocab_size=8192)  # the layer part: the 7B's decoder layer (its head is §9's figure)
+LAYER_DEPTHS = (0, 2)  # the layer part's two learners: their difference is two decoder layers
 PACKED_MODES = ("bucketed", "packed")
 RECIPE_LR = 1e-5  # configs/smollm2-gsm-cpu.yaml train.lr
 # (quant, model dtype, s, int8 lm_head): bf16 rollout's own mismatch, then INT8's with and without the int8 lm_head
@@ -247,18 +261,76 @@ def micro_rows(
         print(json.dumps(row), file=sys.stderr, flush=True)
     for row in rows[1:]:
         row[f"speedup_over_{modes[0]}"] = rows[0]["train_s"] / row["train_s"]
-    # the roofline: 6 N FLOPs per processed token (forward 2 N, backward 4 N; with one update per step the proximal
-    # log-probs come from the same forward) against the matmul rate in the step's precision at the model's MLP shape,
-    # measured here in the same run; the lm_head chunks recomputed in backward (learner/logprobs.py) are not counted
     cfg = AutoConfig.from_pretrained(model)
-    params = sum(t.numel() for t in AutoModelForCausalLM.from_config(cfg).parameters())
     peak = matmul_flops(cfg.hidden_size, cfg.intermediate_size, DTYPES[precision])
+    rows_per_step = workload[0] * workload[1]
     for row in rows:
-        row["model_params"] = params
         row["matmul_flops"] = round(peak)
-        row["achieved_flops"] = round(6 * params * row["padded_tokens"] / row["train_s"])
+        row["step_flops"] = round(learner_flops(cfg, row["padded_tokens"], row["response_tokens"], rows_per_step))
+        row["achieved_flops"] = round(row["step_flops"] / row["train_s"])
         row["share_of_matmul_roofline"] = round(row["achieved_flops"] / peak, 3)
     return rows
+
+
+def learner_flops(cfg, padded_tokens: float, response_tokens: float, rows: int, layers: int | None = None) -> float:
+    """Matmul FLOPs of a one-update learner step, forward 2 and backward 4 per weight per token: the decoder layers
+    on every padded token, the lm_head on the response tokens only (learner/logprobs.py runs it there), causal
+    attention's 6 T^2 (heads x head_dim) per row and layer with T the mean row (padded_tokens / rows). With one
+    update per step the proximal log-probs come from the same forward; the head's recomputation in backward is not
+    counted. `layers`: that many decoder layers and no head (one layer's share, the figure that carries to depth)."""
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    layer = hidden * (2 * q + 2 * kv) + 3 * hidden * inter  # q, o; k, v; gate, up, down
+    n = cfg.num_hidden_layers if layers is None else layers
+    attention = 6 * q * padded_tokens * (padded_tokens / rows)
+    body = n * (6 * layer * padded_tokens + attention)
+    return body if layers is not None else body + 6 * hidden * cfg.vocab_size * response_tokens
+
+
+def layer_rows(threads: int, tmp: str, precision: str, rounds: int) -> list[dict]:
+    """Decoder layers of Qwen2.5-7B (LAYER_SHAPE, random weights) trained on the micro part's batches: learners with
+    0 and 2 layers in this process, their steps alternating (the machine's drift cancels in each round's difference);
+    a layer's seconds are half the difference, the part of a 28-layer step that grows with depth, against the matmul
+    roofline at the 7B's MLP shape, measured before and after (the faster of the two)."""
+    from learner_step import random_qwen2
+
+    cfg = AutoConfig.for_model("qwen2", **LAYER_SHAPE)
+    peak = [matmul_flops(cfg.hidden_size, cfg.intermediate_size, DTYPES[precision], repeats=3)]
+    lo, hi = LAYER_DEPTHS
+    paths = {
+        n: random_qwen2(os.path.join(tmp, f"qwen25-7b-{n}"), dict(LAYER_SHAPE, num_hidden_layers=n)) for n in (lo, hi)
+    }
+    seconds: dict[int, list[float]] = {lo: [], hi: []}
+    with one_rank():
+        policies = {n: policy_step(path, precision, "bucketed") for n, path in paths.items()}
+        batch = profile_batch(MICRO_WORKLOAD, cfg.vocab_size)
+        for i in range(1 + rounds):  # the first round is a warm-up
+            for n, policy in policies.items():
+                t = time.perf_counter()
+                result = policy.step(batch, step=i)
+                if i:
+                    seconds[n].append(time.perf_counter() - t)
+    peak.append(matmul_flops(cfg.hidden_size, cfg.intermediate_size, DTYPES[precision], repeats=3))
+    padded = result.metrics["actor/padded_tokens"]
+    layer_s = statistics.median((b - a) / (hi - lo) for a, b in zip(seconds[lo], seconds[hi]))
+    flops = learner_flops(cfg, padded, 0, MICRO_WORKLOAD[0] * MICRO_WORKLOAD[1], layers=1)
+    row = {
+        **workload_row("layer", MICRO_WORKLOAD, "bucketed", precision, threads),
+        "model": "Qwen2.5-7B's decoder layer (hidden 3584, intermediate 18944, 28 / 4 heads)",
+        "rounds": rounds,
+        "padded_tokens": padded,
+        "steps_s": {f"{n} layers": v for n, v in seconds.items()},
+        "layer_s": round(layer_s, 3),
+        "layer_flops": round(flops),
+        "matmul_flops": round(max(peak)),
+        "matmul_flops_before_after": [round(p) for p in peak],
+        "achieved_flops": round(flops / layer_s),
+        "share_of_matmul_roofline": round(flops / layer_s / max(peak), 3),
+        "layers_s_at_28_layers": round(28 * layer_s, 1),
+    }
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return [row]
 
 
 # torch.profiler op name -> kind, first match wins; everything else is "other" (norms, activations, copies, ...)
@@ -299,51 +371,75 @@ def profile_batch(workload: tuple, vocab: int) -> Batch:
     return Batch(ids, prompt, total, behav, rewards, group)
 
 
-def profile_row(model: str, threads: int, precision: str, workload: tuple, micro_batches: str) -> dict:
-    """One profiled learner step of the workload's shape, self CPU time by kind and the top operators."""
+@contextlib.contextmanager
+def one_rank() -> Iterator[None]:
+    """A one-rank gloo group in this process, as PolicyStep's collectives need."""
     import socket
 
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
-
-    from learner.model import build_policy
-    from learner.policy_step import DistEnv, PolicyStep
-    from qurl.config import load_config
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        cfg = load_config(
-            os.path.join(root, "configs", "smollm2-gym-cpu.yaml"),
-            [
-                f"model.path={model}",
-                "data.eval_files=[]",
-                f"train.precision={precision}",
-                "train.mini_batches=1",
-                f"train.micro_batches={micro_batches}",
-            ],
-            check_paths=False,
-        )
-        torch.manual_seed(0)
-        policy = PolicyStep(
-            build_policy(cfg, torch.device("cpu")),
-            None,
-            cfg.train,
-            cfg.algo,
-            cfg.rollout.sampling,
-            DistEnv(0, 1, 0, torch.device("cpu")),
-        )
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def policy_step(model: str, precision: str, micro_batches: str, fused: bool = True):
+    """The gym recipe's PolicyStep for `model` on this process's rank (inside one_rank()); fused=False keeps
+    transformers' own norms and MLPs (learner/fused.py's swap not made)."""
+    from learner import model as policy_model
+    from learner.policy_step import DistEnv, PolicyStep
+    from qurl.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(
+        os.path.join(root, "configs", "smollm2-gym-cpu.yaml"),
+        [
+            f"model.path={model}",
+            "data.eval_files=[]",
+            f"train.precision={precision}",
+            "train.mini_batches=1",
+            f"train.micro_batches={micro_batches}",
+        ],
+        check_paths=False,
+    )
+    torch.manual_seed(0)
+    swap = contextlib.nullcontext() if fused else mock.patch.object(policy_model, "fuse", lambda m: 0)
+    with swap:
+        policy = policy_model.build_policy(cfg, torch.device("cpu"))
+    return PolicyStep(policy, None, cfg.train, cfg.algo, cfg.rollout.sampling, DistEnv(0, 1, 0, torch.device("cpu")))
+
+
+def workload_row(part: str, workload: tuple, micro_batches: str, precision: str, threads: int) -> dict:
+    """The fields every in-process learner row shares."""
+    return {
+        "part": part,
+        "micro_batches": micro_batches,
+        "precision": precision,
+        "prompts": workload[0],
+        "samples": workload[1],
+        "prompt_len": list(workload[2]),
+        "response_len": list(workload[3]),
+        "threads": threads,
+    }
+
+
+def profile_row(model: str, threads: int, precision: str, workload: tuple, micro_batches: str) -> dict:
+    """One profiled learner step of the workload's shape, self CPU time by kind and the top operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with one_rank():
+        policy = policy_step(model, precision, micro_batches)
         batch = profile_batch(workload, AutoConfig.from_pretrained(model).vocab_size)
         policy.step(batch, step=0)  # warm-up
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
             result = policy.step(batch, step=1)
             seconds = time.perf_counter() - t
-    finally:
-        dist.destroy_process_group()
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total_us = sum(e.self_cpu_time_total for e in events)
     kinds = {name: 0.0 for name, _ in PROFILE_KINDS} | {"other": 0.0}
@@ -352,14 +448,7 @@ def profile_row(model: str, threads: int, precision: str, workload: tuple, micro
         kinds[kind] += e.self_cpu_time_total
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
     row = {
-        "part": "profile",
-        "micro_batches": micro_batches,
-        "precision": precision,
-        "prompts": workload[0],
-        "samples": workload[1],
-        "prompt_len": list(workload[2]),
-        "response_len": list(workload[3]),
-        "threads": threads,
+        **workload_row("profile", workload, micro_batches, precision, threads),
         "step_s": round(seconds, 2),
         "padded_tokens": result.metrics.get("actor/padded_tokens"),
         "share_by_kind": {k: round(v / total_us, 3) for k, v in kinds.items()},
@@ -367,6 +456,34 @@ def profile_row(model: str, threads: int, precision: str, workload: tuple, micro
     }
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
+
+
+def fused_rows(model: str, threads: int, precision: str, rounds: int) -> list[dict]:
+    """The learner step with learner/fused.py's norms and MLPs against transformers' own, at the gym recipe's shape
+    (packed) and the micro part's (bucketed): both policies in this process, their steps alternating, medians."""
+    rows = []
+    for workload, micro_batches in ((GYM_WORKLOAD, "packed"), (MICRO_WORKLOAD, "bucketed")):
+        with one_rank():
+            policies = {name: policy_step(model, precision, micro_batches, fused=name == "fused") for name in FUSED}
+            batch = profile_batch(workload, AutoConfig.from_pretrained(model).vocab_size)
+            seconds: dict[str, list[float]] = {name: [] for name in policies}
+            for i in range(1 + rounds):  # the first round is a warm-up
+                for name, policy in policies.items():
+                    t = time.perf_counter()
+                    policy.step(batch, step=i)
+                    if i:
+                        seconds[name].append(time.perf_counter() - t)
+        row = {
+            **workload_row("fused", workload, micro_batches, precision, threads),
+            "rounds": rounds,
+            "fused_s": statistics.median(seconds["fused"]),
+            "torch_s": statistics.median(seconds["torch"]),
+            "steps_s": seconds,
+        }
+        row["speedup"] = round(row["torch_s"] / row["fused_s"], 3)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
 
 
 def matmul_flops(hidden: int, inter: int, dtype: torch.dtype, tokens: int = 4096, repeats: int = 7) -> float:
@@ -411,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default=",".join(DECODE_FORMATS), help="decode formats (comma-separated)")
     ap.add_argument("--steps", type=int, default=2, help="measured learner steps per precision")
     ap.add_argument("--pushes", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5, help="fused, layer: alternating measured steps per learner")
     ap.add_argument("--precision", default="auto", choices=("auto", *DTYPES), help="micro and profile parts")
     ap.add_argument("--sync-lr", type=float, default=RECIPE_LR, help="the sync part's AdamW learning rate")
     ap.add_argument("--out", default=None)
@@ -442,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows += micro_rows(model, args.steps, args.threads, tmp, precision, workload, PACKED_MODES, "packed")
         if "profile" in parts:
             rows += profile_rows(model, args.threads, precision)
+        if "fused" in parts:
+            rows += fused_rows(model, args.threads, precision, args.rounds)
+        if "layer" in parts:
+            rows += layer_rows(args.threads, tmp, precision, args.rounds)
         if "sync" in parts:
             rows += sync_rows(model, gsm, args.pushes, args.threads, args.sync_lr)
     emit(
