@@ -244,14 +244,7 @@ def micro_rows(
         train = {"precision": precision, "mini_batches": 1, "micro_batches": mode}
         metrics = run_learner(tmp, model, 1, "int8", 1 + steps, workload, threads, train=train)
         row = {
-            "part": part,
-            "micro_batches": mode,
-            "precision": precision,
-            "prompts": workload[0],
-            "samples": workload[1],
-            "prompt_len": list(workload[2]),
-            "response_len": list(workload[3]),
-            "threads": threads,
+            **workload_row(part, workload, mode, precision, threads),
             **summarize(metrics, 1),
             "padded_tokens": statistics.median(r["actor/padded_tokens"] for r in metrics[1:]),
             "micro_batches_per_step": statistics.median(r["actor/micro_batches"] for r in metrics[1:]),
@@ -415,7 +408,7 @@ def policy_step(model: str, precision: str, micro_batches: str, fused: bool = Tr
 
 
 def workload_row(part: str, workload: tuple, micro_batches: str, precision: str, threads: int) -> dict:
-    """The fields every in-process learner row shares."""
+    """The fields every learner row shares."""
     return {
         "part": part,
         "micro_batches": micro_batches,
