@@ -49,10 +49,21 @@ def kernels() -> ModuleType | None:
         path.mkdir(parents=True, exist_ok=True)
         if not (path / "qurl_decode_cpu.so").exists():  # a first use would otherwise stall for a minute unexplained
             log.warning("building the CPU kernels for this CPU kind in %s (once, about a minute)", path)
-        return load("qurl_decode_cpu", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(path))
+        return load("qurl_decode_cpu", [str(source_copy(path))], extra_cflags=FLAGS, build_directory=str(path))
     except Exception as e:  # no compiler, no ninja, a read-only cache: the torch operators still work
         log.warning("qurl CPU kernels unavailable (%s); the torch engine uses torch operators", str(e).splitlines()[0])
         return None
+
+
+def source_copy(path: Path) -> Path:
+    """The source, copied into its build folder: ninja's build file names the source's path, so checkouts of the same
+    source at different paths would each rebuild the shared module (~40 s) if they built from their own copy."""
+    copy = path / SOURCE.name
+    if not copy.exists() or copy.read_bytes() != SOURCE.read_bytes():
+        tmp = path / f".{SOURCE.name}.{os.getpid()}"
+        tmp.write_bytes(SOURCE.read_bytes())
+        os.replace(tmp, copy)  # atomic: a process building beside this one reads one whole file or the other
+    return copy
 
 
 def usable(x: torch.Tensor) -> ModuleType | None:

@@ -310,3 +310,13 @@ def test_decode_benchmark_quick(tmp_path):
         rows = bench.main(["--attention", "--quick", "--threads", "1"])["rows"]
         assert [r["dtype"] for r in rows] == ["bfloat16", "float32"]
         assert all(r["kernel_ms_per_layer"] > 0 and r["kernel_vs_sdpa"] > 0 for r in rows)
+
+
+def test_every_checkout_builds_from_one_copy_of_the_source(tmp_path):
+    """ninja's build file names the source's path: two checkouts of one source share the build only if both build from
+    the same path, the copy in the build folder; a stale copy is replaced."""
+    copy = cpu_kernels.source_copy(tmp_path)
+    assert copy == tmp_path / cpu_kernels.SOURCE.name and copy.read_bytes() == cpu_kernels.SOURCE.read_bytes()
+    copy.write_text("// another source\n")
+    assert cpu_kernels.source_copy(tmp_path).read_bytes() == cpu_kernels.SOURCE.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [cpu_kernels.SOURCE.name]  # no temporary file left
