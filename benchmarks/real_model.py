@@ -294,16 +294,9 @@ def layer_rows(threads: int, tmp: str, precision: str, rounds: int) -> list[dict
     paths = {
         n: random_qwen2(os.path.join(tmp, f"qwen25-7b-{n}"), dict(LAYER_SHAPE, num_hidden_layers=n)) for n in (lo, hi)
     }
-    seconds: dict[int, list[float]] = {lo: [], hi: []}
     with one_rank():
         policies = {n: policy_step(path, precision, "bucketed") for n, path in paths.items()}
-        batch = profile_batch(MICRO_WORKLOAD, cfg.vocab_size)
-        for i in range(1 + rounds):  # the first round is a warm-up
-            for n, policy in policies.items():
-                t = time.perf_counter()
-                result = policy.step(batch, step=i)
-                if i:
-                    seconds[n].append(time.perf_counter() - t)
+        seconds, result = alternate(policies, profile_batch(MICRO_WORKLOAD, cfg.vocab_size), rounds)
     peak.append(matmul_flops(cfg.hidden_size, cfg.intermediate_size, DTYPES[precision], repeats=3))
     padded = result.metrics["actor/padded_tokens"]
     layer_s = statistics.median((b - a) / (hi - lo) for a, b in zip(seconds[lo], seconds[hi]))
@@ -407,6 +400,19 @@ def policy_step(model: str, precision: str, micro_batches: str, fused: bool = Tr
     return PolicyStep(policy, None, cfg.train, cfg.algo, cfg.rollout.sampling, DistEnv(0, 1, 0, torch.device("cpu")))
 
 
+def alternate(policies: dict, batch: Batch, rounds: int) -> tuple[dict, object]:
+    """Each policy's step seconds on `batch`, the policies taking turns for a warm-up round and then `rounds` more (a
+    drift of the machine's speed reaches them alike); and the last step's result."""
+    seconds: dict = {name: [] for name in policies}
+    for i in range(1 + rounds):
+        for name, policy in policies.items():
+            t = time.perf_counter()
+            result = policy.step(batch, step=i)
+            if i:
+                seconds[name].append(time.perf_counter() - t)
+    return seconds, result
+
+
 def workload_row(part: str, workload: tuple, micro_batches: str, precision: str, threads: int) -> dict:
     """The fields every learner row shares."""
     return {
@@ -458,14 +464,9 @@ def fused_rows(model: str, threads: int, precision: str, rounds: int) -> list[di
     for workload, micro_batches in ((GYM_WORKLOAD, "packed"), (MICRO_WORKLOAD, "bucketed")):
         with one_rank():
             policies = {name: policy_step(model, precision, micro_batches, fused=name == "fused") for name in FUSED}
-            batch = profile_batch(workload, AutoConfig.from_pretrained(model).vocab_size)
-            seconds: dict[str, list[float]] = {name: [] for name in policies}
-            for i in range(1 + rounds):  # the first round is a warm-up
-                for name, policy in policies.items():
-                    t = time.perf_counter()
-                    policy.step(batch, step=i)
-                    if i:
-                        seconds[name].append(time.perf_counter() - t)
+            seconds, _ = alternate(
+                policies, profile_batch(workload, AutoConfig.from_pretrained(model).vocab_size), rounds
+            )
         row = {
             **workload_row("fused", workload, micro_batches, precision, threads),
             "rounds": rounds,

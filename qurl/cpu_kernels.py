@@ -58,10 +58,10 @@ def kernels() -> ModuleType | None:
 def source_copy(path: Path) -> Path:
     """The source, copied into its build folder: ninja's build file names the source's path, so checkouts of the same
     source at different paths would each rebuild the shared module (~40 s) if they built from their own copy."""
-    copy = path / SOURCE.name
-    if not copy.exists() or copy.read_bytes() != SOURCE.read_bytes():
+    copy, source = path / SOURCE.name, SOURCE.read_bytes()
+    if not copy.exists() or copy.read_bytes() != source:
         tmp = path / f".{SOURCE.name}.{os.getpid()}"
-        tmp.write_bytes(SOURCE.read_bytes())
+        tmp.write_bytes(source)
         os.replace(tmp, copy)  # atomic: a process building beside this one reads one whole file or the other
     return copy
 
