@@ -31,6 +31,8 @@ Parts (all by default, or a subset with --parts):
 - fused: the learner step (in --precision, one gloo rank in this process) with learner/fused.py's RMSNorm and SwiGLU
   against transformers' own modules, at the gym recipe's shape (packed) and the micro part's (bucketed): both policies
   built side by side, their steps alternating for --rounds after a warm-up round; medians and their ratio.
+- attention: the same as fused for learner/attention.py's compiled attention backward against torch's flash backward
+  (both learners fused).
 - layer: decoder layers of Qwen2.5-7B (hidden 3584, 28 heads; random weights, a vocabulary of 8,192) on the micro
   part's batches (bucketed): learners with 0 and 2 layers side by side in this process, steps alternating for --rounds
   after a warm-up; half their difference is one layer's seconds (fsdp, optimizer and all), and its share of the matmul
@@ -38,7 +40,7 @@ Parts (all by default, or a subset with --parts):
 - sync: int8 codes changed per push and delta / full push bytes per engine dtype after AdamW steps at the
   recipe's learning rate (or --sync-lr), s = 1 and 1.5 (benchmarks/sync.py's run on GSM text).
 
-    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,packed,profile,fused,layer,sync]
+    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,packed,profile,fused,attention,layer,sync]
         [--threads 2] [--sync-lr LR] [--precision auto|fp32|bf16] [--rounds N] [--out FILE]
 """
 
@@ -70,11 +72,15 @@ from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the learner's train.precision -> its matmul dtype
-PARTS = ("mismatch", "decode", "learner", "micro", "packed", "profile", "fused", "layer", "sync")
+PARTS = ("mismatch", "decode", "learner", "micro", "packed", "profile", "fused", "attention", "layer", "sync")
 # prompts, samples, prompt tokens, response tokens (a range: drawn per prompt / per sample)
 MICRO_WORKLOAD = (2, 8, (190, 260), (16, 256))  # the pipeline benchmark's rollout-shaped batches
 GYM_WORKLOAD = (8, 8, (35, 50), (8, 12))  # configs/smollm2-gym-cpu.yaml: 8 x 8 samples, ~10-token answers
-FUSED = ("fused", "torch")  # the fused part's two learners: learner/fused.py's norms and MLPs, transformers' own
+# the side-by-side parts: each learner's name and which of learner/model.py's CPU swaps it makes (SWAPS), shipped first
+SIDE_BY_SIDE = {
+    "fused": {"fused": ("fuse", "attention"), "torch": ("attention",)},  # learner/fused.py's norms and MLPs or not
+    "attention": {"compiled": ("fuse", "attention"), "flash": ("fuse",)},  # learner/attention.py's backward or torch's
+}
 LAYER_SHAPE = dict(QWEN25_7B, vocab_size=8192)  # the layer part: the 7B's decoder layer (its head is §9's figure)
 LAYER_DEPTHS = (0, 2)  # the layer part's two learners: their difference is two decoder layers
 PACKED_MODES = ("bucketed", "packed")
@@ -374,9 +380,13 @@ def one_rank() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def policy_step(model: str, precision: str, micro_batches: str, fused: bool = True):
-    """The gym recipe's PolicyStep for `model` on this process's rank (inside one_rank()); fused=False keeps
-    transformers' own norms and MLPs (learner/fused.py's swap not made)."""
+# learner/model.py's CPU swaps, each as the call a learner without it has stubbed out
+SWAPS = {"fuse": ("fuse", lambda m: 0), "attention": ("attention.install", lambda m: False)}
+
+
+def policy_step(model: str, precision: str, micro_batches: str, swaps: tuple[str, ...] = tuple(SWAPS)):
+    """The gym recipe's PolicyStep for `model` on this process's rank (inside one_rank()), with those of
+    learner/model.py's CPU swaps that `swaps` names (SWAPS; the others not made)."""
     from learner import model as policy_model
     from learner.policy_step import DistEnv, PolicyStep
     from qurl.config import load_config
@@ -394,8 +404,10 @@ def policy_step(model: str, precision: str, micro_batches: str, fused: bool = Tr
         check_paths=False,
     )
     torch.manual_seed(0)
-    swap = contextlib.nullcontext() if fused else mock.patch.object(policy_model, "fuse", lambda m: 0)
-    with swap:
+    with contextlib.ExitStack() as stack:
+        for name, (call, stub) in SWAPS.items():
+            if name not in swaps:
+                stack.enter_context(mock.patch(f"learner.model.{call}", stub))
         policy = policy_model.build_policy(cfg, torch.device("cpu"))
     return PolicyStep(policy, None, cfg.train, cfg.algo, cfg.rollout.sampling, DistEnv(0, 1, 0, torch.device("cpu")))
 
@@ -457,24 +469,27 @@ def profile_row(model: str, threads: int, precision: str, workload: tuple, micro
     return row
 
 
-def fused_rows(model: str, threads: int, precision: str, rounds: int) -> list[dict]:
-    """The learner step with learner/fused.py's norms and MLPs against transformers' own, at the gym recipe's shape
-    (packed) and the micro part's (bucketed): both policies in this process, their steps alternating, medians."""
+def side_by_side_rows(part: str, model: str, threads: int, precision: str, rounds: int) -> list[dict]:
+    """The learner step with and without one CPU swap (SIDE_BY_SIDE[part]), at the gym recipe's shape (packed) and the
+    micro part's (bucketed): both policies in this process, their steps alternating, medians and their ratio."""
+    shipped, other = SIDE_BY_SIDE[part]
     rows = []
     for workload, micro_batches in ((GYM_WORKLOAD, "packed"), (MICRO_WORKLOAD, "bucketed")):
         with one_rank():
-            policies = {name: policy_step(model, precision, micro_batches, fused=name == "fused") for name in FUSED}
+            policies = {
+                name: policy_step(model, precision, micro_batches, swaps) for name, swaps in SIDE_BY_SIDE[part].items()
+            }
             seconds, _ = alternate(
                 policies, profile_batch(workload, AutoConfig.from_pretrained(model).vocab_size), rounds
             )
         row = {
-            **workload_row("fused", workload, micro_batches, precision, threads),
+            **workload_row(part, workload, micro_batches, precision, threads),
             "rounds": rounds,
-            "fused_s": statistics.median(seconds["fused"]),
-            "torch_s": statistics.median(seconds["torch"]),
+            f"{shipped}_s": statistics.median(seconds[shipped]),
+            f"{other}_s": statistics.median(seconds[other]),
             "steps_s": seconds,
         }
-        row["speedup"] = round(row["torch_s"] / row["fused_s"], 3)
+        row["speedup"] = round(row[f"{other}_s"] / row[f"{shipped}_s"], 3)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
@@ -522,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default=",".join(DECODE_FORMATS), help="decode formats (comma-separated)")
     ap.add_argument("--steps", type=int, default=2, help="measured learner steps per precision")
     ap.add_argument("--pushes", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=5, help="fused, layer: alternating measured steps per learner")
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="fused, attention, layer: alternating measured steps per learner"
+    )
     ap.add_argument("--precision", default="auto", choices=("auto", *DTYPES), help="micro and profile parts")
     ap.add_argument("--sync-lr", type=float, default=RECIPE_LR, help="the sync part's AdamW learning rate")
     ap.add_argument("--out", default=None)
@@ -554,8 +571,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows += micro_rows(model, args.steps, args.threads, tmp, precision, workload, PACKED_MODES, "packed")
         if "profile" in parts:
             rows += profile_rows(model, args.threads, precision)
-        if "fused" in parts:
-            rows += fused_rows(model, args.threads, precision, args.rounds)
+        for part in SIDE_BY_SIDE:
+            if part in parts:
+                rows += side_by_side_rows(part, model, args.threads, precision, args.rounds)
         if "layer" in parts:
             rows += layer_rows(args.threads, tmp, precision, args.rounds)
         if "sync" in parts:

@@ -20,7 +20,7 @@ from torch import nn
 
 from learner.logprobs import LogProbs, head_logprobs
 
-ATTENTION = ("sdpa", "eager")  # the model's attention implementations that take a custom 4D mask
+ATTENTION = ("sdpa", "qurl_sdpa", "eager")  # the model's attention implementations that take a custom 4D mask
 
 
 @dataclass

@@ -2,7 +2,7 @@
 // Each replaces a chain of small torch ops whose dispatch costs more than their arithmetic at decode shapes
 // (rows = sequences in the batch). Semantics match rollout_server/engines/model.py and qurl/quant/absmax.py.
 // The learner's: its log-prob head (learner/logprobs.py), RMSNorm and SwiGLU forward and backward (learner/fused.py),
-// a push's int8 codes and its delta (qurl/wire/delta.py).
+// attention's backward (learner/attention.py), a push's int8 codes and its delta (qurl/wire/delta.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -1354,6 +1354,233 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <ATen/native/CPUBlas.h>
+#define QURL_ATTENTION_BACKWARD
+// The learner's attention backward (learner/fused.py): dq, dk, dv of causal or masked SDPA in bf16, from the forward's
+// output and logsumexp (torch's CPU flash forward), over blocks of 64 queries x 64 keys whose five products run on
+// oneDNN's brgemm (AMX tiles where the CPU has them) and whose softmax gradient is one pass in registers. Torch's
+// CPU flash backward ran at ~75 GFLOP/s on SmolLM2's GSM-shaped rows (RESULTS §13).
+namespace attention_grad {
+using BF16 = c10::BFloat16;
+namespace cpublas = at::native::cpublas;
+constexpr int64_t kBlock = 64;  // queries and keys per block
+
+// a [rows, cols] view of one (sequence, head): row r at p + r * ld
+struct Rows {
+  const BF16* p;
+  int64_t ld;
+};
+
+// rows [r0, r0 + 64) of `x` into a zero-padded 64 x cols row-major block
+void block_rows(Rows x, int64_t r0, int64_t len, int64_t cols, BF16* dst) {
+  const int64_t rows = std::min(kBlock, len - r0);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * cols, x.p + (r0 + r) * x.ld, cols * sizeof(BF16));
+  std::memset(dst + rows * cols, 0, (kBlock - rows) * cols * sizeof(BF16));
+}
+
+void transpose(const BF16* src, int64_t rows, int64_t cols, BF16* dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+}
+
+// a k x n row-major matrix into brgemm's VNNI layout for bf16 B: [k / 2][n][2]
+void pack(const BF16* src, int64_t k, int64_t n, BF16* dst) {
+  cpublas::pack(k, n, n, n, at::kBFloat16, at::kBFloat16, src, dst);
+}
+
+// which of keys [kj, kj + 16) query qi attends to: in range, causal, and where the boolean mask row says so
+inline __mmask16 allowed(int64_t qi, int64_t kj, int64_t len, bool causal, const bool* mask_row) {
+  int64_t n = qi < len ? std::min<int64_t>(16, len - kj) : 0;
+  if (causal) n = std::min(n, qi - kj + 1);
+  if (n <= 0) return 0;
+  __mmask16 ok = n == 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+  if (mask_row != nullptr) {
+    if (n == 16) {
+      const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mask_row + kj));
+      ok &= _mm_test_epi8_mask(m, m);
+    } else {
+      for (int64_t e = 0; e < n; ++e)
+        if (!mask_row[kj + e]) ok &= static_cast<__mmask16>(~(1u << e));
+    }
+  }
+  return ok;
+}
+
+// which 64 x 64 blocks of (query, key) have any pair attended: j <= i under the causal mask, else from the mask's
+// rows, so that blocks a packed row's mask leaves empty (one answer's keys for another's queries) cost nothing
+void live_blocks(int64_t len, bool causal, const bool* mask, int64_t mask_ld, std::vector<uint8_t>& live) {
+  const int64_t blocks = (len + kBlock - 1) / kBlock;
+  live.assign(blocks * blocks, 0);
+  for (int64_t i = 0; i < blocks; ++i) {
+    for (int64_t j = 0; j < blocks; ++j) {
+      if (causal) {
+        live[i * blocks + j] = j <= i;
+        continue;
+      }
+      const int64_t w = std::min(kBlock, len - j * kBlock);
+      const __mmask64 cols = w == 64 ? ~0ULL : (1ULL << w) - 1;
+      for (int64_t r = i * kBlock; r < std::min(len, (i + 1) * kBlock) && !live[i * blocks + j]; ++r) {
+        const __m512i m = _mm512_maskz_loadu_epi8(cols, mask + r * mask_ld + j * kBlock);
+        live[i * blocks + j] = _mm512_test_epi8_mask(m, m) != 0;
+      }
+    }
+  }
+}
+
+// one 64 x 64 block: P = exp(S scale - lse) where allowed, dS = P (dP - delta); P and dS as VNNI pairs of query rows
+// (the B of dv^T and dk^T), dS also row-major (the A of dq)
+void softmax_grad_block(const float* s, const float* dp, int64_t i0, int64_t j0, int64_t len, bool causal,
+                        const bool* mask, int64_t mask_ld, float scale, const float* lse, const float* delta,
+                        BF16* p_vnni, BF16* ds_vnni, BF16* ds) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < kBlock; r += 2) {
+    for (int64_t c = 0; c < kBlock; c += 16) {
+      __m512i pb[2], db[2];
+      for (int64_t e = 0; e < 2; ++e) {
+        const int64_t qi = i0 + r + e, at = (r + e) * kBlock + c;
+        const bool* row = mask != nullptr && qi < len ? mask + qi * mask_ld : nullptr;
+        const __mmask16 ok = allowed(qi, j0 + c, len, causal, row);
+        const float l = qi < len ? lse[qi] : 0.f, d = qi < len ? delta[qi] : 0.f;
+        const __m512 pv = _mm512_maskz_mov_ps(ok, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + at), sc, _mm512_set1_ps(l))));
+        const __m512 dv = _mm512_maskz_mul_ps(ok, pv, _mm512_sub_ps(_mm512_loadu_ps(dp + at), _mm512_set1_ps(d)));
+        pb[e] = _mm512_castps_si512(round16(pv, BF16()));  // each bf16 in its lane's high half
+        db[e] = _mm512_castps_si512(round16(dv, BF16()));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(db[e], 16)));
+      }
+      const int64_t vn = r * kBlock + 2 * c;  // (row pair r / 2, column c, parity)
+      _mm512_storeu_si512(p_vnni + vn, _mm512_or_si512(_mm512_srli_epi32(pb[0], 16), pb[1]));
+      _mm512_storeu_si512(ds_vnni + vn, _mm512_or_si512(_mm512_srli_epi32(db[0], 16), db[1]));
+    }
+  }
+}
+
+// a [64, d] fp32 block, transposed ([d, 64] in `t`) or not, times `scale`, into rows [r0, r0 + 64) of a bf16 view
+void write_rows(const float* a, bool transposed, int64_t d, float scale, int64_t r0, int64_t len, BF16* out,
+                int64_t ld) {
+  alignas(64) float row[256];
+  for (int64_t r = 0; r < std::min(kBlock, len - r0); ++r) {
+    const float* src = a + r * d;
+    if (transposed) {
+      for (int64_t c = 0; c < d; ++c) row[c] = a[c * kBlock + r];
+      src = row;
+    }
+    for (int64_t c = 0; c < d; c += 16) store16(out + (r0 + r) * ld + c, _mm512_mul_ps(_mm512_loadu_ps(src + c), _mm512_set1_ps(scale)));
+  }
+}
+}  // namespace attention_grad
+
+std::vector<at::Tensor> attention_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                           bool causal, const c10::optional<at::Tensor>& mask, double scale_) {
+  using namespace attention_grad;
+  for (const at::Tensor* t : {&dout, &q, &k, &v, &out}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->scalar_type() == at::kBFloat16 && t->stride(3) == 1,
+                "attention_backward: bf16 [B, H, L, D] CPU tensors, D contiguous");
+  }
+  const int64_t nb = q.size(0), h = q.size(1), len = q.size(2), d = q.size(3), hk = k.size(1);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == nb && k.size(2) == len && k.size(3) == d && h % hk == 0 &&
+                  dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
+              "attention_backward: q [B, H, L, D], k and v [B, H / g, L, D], as many keys as queries");
+  TORCH_CHECK(d % 32 == 0 && d <= 256, "attention_backward: head_dim a multiple of 32, at most 256");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == nb && lse.size(1) == h &&
+                  lse.size(2) == len, "attention_backward: fp32 logsumexp [B, H, L]");
+  const bool* mp = nullptr;
+  int64_t m0 = 0, m1 = 0, m2 = 0;
+  if (mask.has_value()) {
+    const at::Tensor& m = *mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(2) == len && m.size(3) == len &&
+                    m.stride(3) == 1 && (m.size(0) == 1 || m.size(0) == nb) && (m.size(1) == 1 || m.size(1) == h),
+                "attention_backward: a boolean mask [B or 1, H or 1, L, L], the last dimension contiguous");
+    mp = m.data_ptr<bool>();
+    m0 = m.size(0) == 1 ? 0 : m.stride(0);
+    m1 = m.size(1) == 1 ? 0 : m.stride(1);
+    m2 = m.stride(2);
+  }
+  const int64_t group = h / hk, blocks = (len + kBlock - 1) / kBlock, padded = blocks * kBlock, sq = kBlock * d;
+  const float scale = static_cast<float>(scale_);
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  const float* lp = lse.data_ptr<float>();
+  auto view = [](const at::Tensor& t, int64_t b, int64_t hh) {
+    return Rows{t.data_ptr<BF16>() + b * t.stride(0) + hh * t.stride(1), t.stride(2)};
+  };
+  // one task per (sequence, kv head): its group of query heads accumulate dk and dv in fp32, unshared
+  at::parallel_for(0, nb * hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<BF16> k_vnni(padded * d), kt_vnni(padded * d), vt_vnni(padded * d), qb(padded * d), qt(padded * d),
+        gb(padded * d), gt(padded * d), tmp(sq), tmp_t(sq);
+    std::vector<float> dkt(padded * d), dvt(padded * d), dqa(padded * d), delta(padded), lrow(padded);
+    std::vector<uint8_t> live;
+    alignas(64) float s[kBlock * kBlock], dp[kBlock * kBlock];
+    alignas(64) BF16 p_vnni[kBlock * kBlock], ds_vnni[kBlock * kBlock], ds[kBlock * kBlock];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / hk, g = t % hk;
+      for (int64_t j = 0; j < blocks; ++j) {  // k and v, packed once for the group: k as dq's B, k^T and v^T as S's and dP's
+        block_rows(view(k, b, g), j * kBlock, len, d, tmp.data());
+        for (int64_t n = 0; n < d; n += kBlock) {  // oneDNN packs B at most 64 columns wide
+          const int64_t w = std::min(kBlock, d - n);
+          for (int64_t r = 0; r < kBlock; ++r) std::memcpy(tmp_t.data() + r * w, tmp.data() + r * d + n, w * sizeof(BF16));
+          pack(tmp_t.data(), kBlock, w, k_vnni.data() + j * sq + kBlock * n);
+        }
+        transpose(tmp.data(), kBlock, d, tmp_t.data());
+        pack(tmp_t.data(), d, kBlock, kt_vnni.data() + j * sq);
+        block_rows(view(v, b, g), j * kBlock, len, d, tmp.data());
+        transpose(tmp.data(), kBlock, d, tmp_t.data());
+        pack(tmp_t.data(), d, kBlock, vt_vnni.data() + j * sq);
+      }
+      std::fill(dkt.begin(), dkt.end(), 0.f);
+      std::fill(dvt.begin(), dvt.end(), 0.f);
+      for (int64_t hh = g * group; hh < (g + 1) * group; ++hh) {
+        for (int64_t i = 0; i < blocks; ++i) {  // q and d out: row-major (S's and dP's A) and transposed (dk's, dv's A)
+          block_rows(view(q, b, hh), i * kBlock, len, d, qb.data() + i * sq);
+          transpose(qb.data() + i * sq, kBlock, d, qt.data() + i * sq);
+          block_rows(view(dout, b, hh), i * kBlock, len, d, gb.data() + i * sq);
+          transpose(gb.data() + i * sq, kBlock, d, gt.data() + i * sq);
+        }
+        const Rows o = view(out, b, hh);
+        for (int64_t r = 0; r < len; ++r) {  // delta = rowsum(d out * out), the softmax gradient's shift
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t c = 0; c < d; c += 16) acc = _mm512_fmadd_ps(load16(o.p + r * o.ld + c), load16(gb.data() + r * d + c), acc);
+          delta[r] = _mm512_reduce_add_ps(acc);
+          lrow[r] = lp[b * lse.stride(0) + hh * lse.stride(1) + r * lse.stride(2)];
+        }
+        std::fill(dqa.begin(), dqa.end(), 0.f);
+        const bool* mh = mp != nullptr ? mp + b * m0 + hh * m1 : nullptr;
+        if (hh == g * group || m1 != 0) live_blocks(len, causal || mh == nullptr, mh, m2, live);
+        for (int64_t i = 0; i < blocks; ++i) {
+          for (int64_t j = 0; j < blocks; ++j) {
+            if (!live[i * blocks + j]) continue;
+            cpublas::brgemm(kBlock, kBlock, d, d, kBlock, kBlock, false, qb.data() + i * sq, kt_vnni.data() + j * sq, s);
+            cpublas::brgemm(kBlock, kBlock, d, d, kBlock, kBlock, false, gb.data() + i * sq, vt_vnni.data() + j * sq, dp);
+            softmax_grad_block(s, dp, i * kBlock, j * kBlock, len, causal, mh, m2, scale, lrow.data(), delta.data(),
+                               p_vnni, ds_vnni, ds);
+            cpublas::brgemm(d, kBlock, kBlock, kBlock, kBlock, kBlock, true, gt.data() + i * sq, p_vnni, dvt.data() + j * sq);
+            cpublas::brgemm(d, kBlock, kBlock, kBlock, kBlock, kBlock, true, qt.data() + i * sq, ds_vnni, dkt.data() + j * sq);
+            for (int64_t n = 0; n < d; n += kBlock) {
+              const int64_t w = std::min(kBlock, d - n);
+              cpublas::brgemm(kBlock, w, kBlock, kBlock, w, d, true, ds, k_vnni.data() + j * sq + kBlock * n,
+                              dqa.data() + i * sq + n);
+            }
+          }
+        }
+        BF16* dqp = dq.data_ptr<BF16>() + b * dq.stride(0) + hh * dq.stride(1);
+        for (int64_t i = 0; i < blocks; ++i) write_rows(dqa.data() + i * sq, false, d, scale, i * kBlock, len, dqp, dq.stride(2));
+      }
+      BF16* dkp = dk.data_ptr<BF16>() + b * dk.stride(0) + g * dk.stride(1);
+      BF16* dvp = dv.data_ptr<BF16>() + b * dv.stride(0) + g * dv.stride(1);
+      for (int64_t j = 0; j < blocks; ++j) {
+        write_rows(dkt.data() + j * sq, true, d, scale, j * kBlock, len, dkp, dk.stride(2));
+        write_rows(dvt.data() + j * sq, true, d, 1.f, j * kBlock, len, dvp, dv.stride(2));
+      }
+    }
+    cpublas::brgemm_release();
+  });
+  return {dq, dk, dv};
+}
+
+// whether attention_backward's brgemm runs here: oneDNN packs bf16 for it on this CPU
+bool attention_backward_ready() { return at::native::cpublas::could_pack(at::kBFloat16); }
+#endif
+
 #ifdef QURL_INT8_GEMM
 // a dispatcher op, so that profilers (benchmarks/rollout_throughput.py's GEMM share) see the GEMM by name
 TORCH_LIBRARY(qurl, m) {
@@ -1383,5 +1610,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &sample_rows, "tokens and logprobs of greedy or temperature draws, no top-k / top-p");
   m.def("head_forward", &head_forward, "the learner head's lse, target log-prob and entropy per logits row");
   m.def("head_backward_", &head_backward_, "the learner head's d logp / d logits, in place over the logits");
+#endif
+#ifdef QURL_ATTENTION_BACKWARD
+  m.def("attention_backward", &attention_backward, "dq, dk, dv of causal or masked bf16 SDPA from out and logsumexp");
+  m.def("attention_backward_ready", &attention_backward_ready, "whether oneDNN's bf16 brgemm runs on this CPU");
 #endif
 }
