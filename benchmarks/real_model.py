@@ -19,7 +19,8 @@ Parts (all by default, or a subset with --parts):
   rows x longest row per forward, summed over the step's micro-batches (the learner's actor/padded_tokens).
   achieved_flops = step_flops / train_s (learner_flops: the decoder layers 6 per weight per padded token, the
   lm_head 6 per weight per response token, causal attention; one update per step: no separate proximal pass)
-  against matmul_flops, a [4096, hidden] x [hidden, intermediate] matmul in that precision timed in the same run:
+  against matmul_flops, a [4096, hidden] x [hidden, intermediate] matmul in that precision timed in the same run
+  (before each learner run and after the last; the best of them):
   share_of_matmul_roofline.
 - packed: the learner step with length-bucketed against prompt-packed micro-batches (learner/packing.py: each
   group's prompt once), in --precision, at the gym recipe's shape (8 prompts x 8 samples, 35-50 prompt tokens,
@@ -245,8 +246,11 @@ def micro_rows(
     """One learner run per train.micro_batches mode on the same batches; each row's speedup over the first mode."""
     from learner_step import run_learner, summarize
 
+    cfg = AutoConfig.from_pretrained(model)
+    peaks = []  # the matmul rate before each run and after the last: the roofline is the best of them
     rows = []
     for mode in modes:
+        peaks.append(matmul_flops(cfg.hidden_size, cfg.intermediate_size, DTYPES[precision]))
         train = {"precision": precision, "mini_batches": 1, "micro_batches": mode}
         metrics = run_learner(tmp, model, 1, "int8", 1 + steps, workload, threads, train=train)
         row = {
@@ -260,11 +264,12 @@ def micro_rows(
         print(json.dumps(row), file=sys.stderr, flush=True)
     for row in rows[1:]:
         row[f"speedup_over_{modes[0]}"] = rows[0]["train_s"] / row["train_s"]
-    cfg = AutoConfig.from_pretrained(model)
-    peak = matmul_flops(cfg.hidden_size, cfg.intermediate_size, DTYPES[precision])
+    peaks.append(matmul_flops(cfg.hidden_size, cfg.intermediate_size, DTYPES[precision]))
+    peak = max(peaks)
     rows_per_step = workload[0] * workload[1]
     for row in rows:
         row["matmul_flops"] = round(peak)
+        row["matmul_flops_samples"] = [round(p) for p in peaks]
         row["step_flops"] = round(learner_flops(cfg, row["padded_tokens"], row["response_tokens"], rows_per_step))
         row["achieved_flops"] = round(row["step_flops"] / row["train_s"])
         row["share_of_matmul_roofline"] = round(row["achieved_flops"] / peak, 3)
