@@ -33,7 +33,9 @@ Parts (all by default, or a subset with --parts):
   against transformers' own modules, at the gym recipe's shape (packed) and the micro part's (bucketed): both policies
   built side by side, their steps alternating for --rounds after a warm-up round; medians and their ratio.
 - attention: the same as fused for learner/attention.py's compiled attention backward against torch's flash backward
-  (both learners fused).
+  (both learners fused); and single backward calls (ATTENTION_CALLS: SmolLM2's heads on the micro part's longest
+  bucket and on its groups packed by learner/packing.py, Qwen2.5-7B's heads), the compiled against torch's flash
+  backward from the same forward, alternating for --rounds, medians.
 - layer: decoder layers of Qwen2.5-7B (hidden 3584, 28 heads; random weights, a vocabulary of 8,192) on the micro
   part's batches (bucketed): learners with 0 and 2 layers side by side in this process, steps alternating for --rounds
   after a warm-up; half their difference is one layer's seconds (fsdp, optimizer and all), and its share of the matmul
@@ -65,8 +67,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import OWN, QWEN25_7B, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
+from learner.attention import ready as attention_ready  # noqa: E402
 from learner.batch import Batch  # noqa: E402
 from learner.model import bf16_training  # noqa: E402
+from qurl import cpu_kernels  # noqa: E402
 from qurl.data import PromptDataset  # noqa: E402
 from qurl.quant.invariant_scaling import apply_invariant_scaling  # noqa: E402
 from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
@@ -333,7 +337,7 @@ def layer_rows(threads: int, tmp: str, precision: str, rounds: int) -> list[dict
 # torch.profiler op name -> kind, first match wins; everything else is "other" (norms, activations, copies, ...)
 PROFILE_KINDS = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn")),
-    ("attention", ("scaled_dot_product", "flash_attention")),
+    ("attention", ("scaled_dot_product", "flash_attention", "_attentionbackward")),  # learner/attention.py's too
     # the chunked head (learner/logprobs.py): logits - logsumexp and its exp over 49,152-wide rows, forward
     # (entropy) and backward; the step's other subs and exps act on small tensors
     ("log-softmax head", ("log_softmax", "logsumexp", "chunkedlogprob", "aten::sub", "aten::exp", "aten::gather")),
@@ -383,6 +387,66 @@ def one_rank() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+# the attention part's single calls: name, heads, kv heads, head_dim, and the micro part's batch as bucketed rows (its
+# longest) or packed (one row per group, learner/packing.py's mask)
+ATTENTION_CALLS = (
+    ("SmolLM2, bucketed", 9, 3, 64, "bucketed"),
+    ("SmolLM2, packed", 9, 3, 64, "packed"),
+    ("Qwen2.5-7B heads, bucketed", 28, 4, 128, "bucketed"),
+)
+
+
+def attention_call_rows(rounds: int) -> list[dict]:
+    """One attention backward per ATTENTION_CALLS shape in bf16: learner/attention.py's against torch's flash backward,
+    from the same flash forward, alternating after a warm-up, medians (dk, dv of torch's summed over each group)."""
+    from learner.packing import pack
+
+    batch = profile_batch(MICRO_WORKLOAD, 1000)
+    rows = []
+    for name, h, hk, d, layout in ATTENTION_CALLS:
+        if layout == "packed":
+            mask = pack(batch.input_ids, batch.prompt_len, batch.total_len, batch.group, 1, 0).allowed
+            n, length = mask.shape[0], mask.shape[-1]
+        else:
+            mask, n, length = None, batch.input_ids.shape[0], batch.input_ids.shape[1]
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (
+            torch.randn(n, length, heads, d, generator=g).to(torch.bfloat16).transpose(1, 2) for heads in (h, hk, hk, h)
+        )
+        kr, vr = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
+        additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -torch.inf)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, kr, vr, 0.0, mask is None, attn_mask=additive
+        )
+        kernels = cpu_kernels.kernels()
+        calls = {
+            "compiled": lambda: kernels.attention_backward(dout, q, k, v, out, lse, mask is None, mask, d**-0.5),
+            "flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, kr, vr, out, lse, 0.0, mask is None, attn_mask=additive
+            ),
+        }
+        seconds: dict = {c: [] for c in calls}
+        for i in range(1 + rounds):
+            for c, call in calls.items():
+                t = time.perf_counter()
+                call()
+                if i:
+                    seconds[c].append(time.perf_counter() - t)
+        row = {
+            "part": "attention",
+            "call": name,
+            "shape": [n, h, hk, length, d],
+            "masked": mask is not None,
+            "rounds": rounds,
+            "compiled_ms": round(1e3 * statistics.median(seconds["compiled"]), 2),
+            "flash_ms": round(1e3 * statistics.median(seconds["flash"]), 2),
+        }
+        row["speedup"] = round(row["flash_ms"] / row["compiled_ms"], 3)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
 
 
 # learner/model.py's CPU swaps, each as the call a learner without it has stubbed out
@@ -579,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         for part in SIDE_BY_SIDE:
             if part in parts:
                 rows += side_by_side_rows(part, model, args.threads, precision, args.rounds)
+        if "attention" in parts and attention_ready():
+            rows += attention_call_rows(args.rounds)
         if "layer" in parts:
             rows += layer_rows(args.threads, tmp, precision, args.rounds)
         if "sync" in parts:
