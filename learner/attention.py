@@ -1,10 +1,10 @@
 """The learner's attention on CPU: torch's flash forward, its gradient by the compiled backward (qurl/csrc). Torch's
 CPU flash backward ran at ~75 GFLOP/s on SmolLM2's GSM-shaped rows, a quarter of the learner's step; the compiled one
-runs the same blocks on oneDNN's brgemm (AMX tiles where present) with the softmax gradient in registers, 3-5x faster
-(RESULTS §13).
+runs the same blocks on oneDNN's brgemm (AMX tiles where present) with the softmax gradient in registers, 3-7x faster
+per call (RESULTS §13).
 
 `install` registers it with transformers as the attention implementation `qurl_sdpa` and switches a CPU model from
-`sdpa` to it. A call it does not cover (no gradient, fp32, dropout, an additive mask, short rows under
+`sdpa` to it. A call it does not cover (no gradient, fp32, dropout, an additive mask, a call under
 `sdpa_kernel(MATH)`, keys longer than queries) goes to transformers' own SDPA attention, unchanged.
 """
 
@@ -72,7 +72,7 @@ def covers(
         and d % 32 == 0
         and d <= 256
         and (mask.dtype == torch.bool if mask is not None else causal)
-        and torch.backends.cuda.flash_sdp_enabled()  # on CPU too: learner/logprobs.py's MATH context for short rows
+        and torch.backends.cuda.flash_sdp_enabled()  # on CPU too: a caller's sdpa_kernel(MATH) holds
         and ready()
     )
 
