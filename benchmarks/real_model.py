@@ -51,13 +51,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
@@ -67,7 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import OWN, QWEN25_7B, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
-from learner.attention import ready as attention_ready  # noqa: E402
+from learner import attention  # noqa: E402
 from learner.batch import Batch  # noqa: E402
 from learner.model import bf16_training  # noqa: E402
 from qurl import cpu_kernels  # noqa: E402
@@ -311,7 +312,7 @@ def layer_rows(threads: int, tmp: str, precision: str, rounds: int) -> list[dict
     }
     with one_rank():
         policies = {n: policy_step(path, precision, "bucketed") for n, path in paths.items()}
-        seconds, result = alternate(policies, profile_batch(MICRO_WORKLOAD, cfg.vocab_size), rounds)
+        seconds, result = alternate(steps(policies, profile_batch(MICRO_WORKLOAD, cfg.vocab_size)), rounds)
     peak.append(matmul_flops(cfg.hidden_size, cfg.intermediate_size, DTYPES[precision], repeats=3))
     padded = result.metrics["actor/padded_tokens"]
     layer_s = statistics.median((b - a) / (hi - lo) for a, b in zip(seconds[lo], seconds[hi]))
@@ -416,24 +417,18 @@ def attention_call_rows(rounds: int) -> list[dict]:
             torch.randn(n, length, heads, d, generator=g).to(torch.bfloat16).transpose(1, 2) for heads in (h, hk, hk, h)
         )
         kr, vr = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
-        additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -torch.inf)
+        additive = attention.additive(mask, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, kr, vr, 0.0, mask is None, attn_mask=additive
         )
         kernels = cpu_kernels.kernels()
         calls = {
-            "compiled": lambda: kernels.attention_backward(dout, q, k, v, out, lse, mask is None, mask, d**-0.5),
-            "flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            "compiled": lambda i: kernels.attention_backward(dout, q, k, v, out, lse, mask is None, mask, d**-0.5),
+            "flash": lambda i: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, kr, vr, out, lse, 0.0, mask is None, attn_mask=additive
             ),
         }
-        seconds: dict = {c: [] for c in calls}
-        for i in range(1 + rounds):
-            for c, call in calls.items():
-                t = time.perf_counter()
-                call()
-                if i:
-                    seconds[c].append(time.perf_counter() - t)
+        seconds, _ = alternate(calls, rounds)
         row = {
             "part": "attention",
             "call": name,
@@ -481,17 +476,25 @@ def policy_step(model: str, precision: str, micro_batches: str, swaps: tuple[str
     return PolicyStep(policy, None, cfg.train, cfg.algo, cfg.rollout.sampling, DistEnv(0, 1, 0, torch.device("cpu")))
 
 
-def alternate(policies: dict, batch: Batch, rounds: int) -> tuple[dict, object]:
-    """Each policy's step seconds on `batch`, the policies taking turns for a warm-up round and then `rounds` more (a
-    drift of the machine's speed reaches them alike); and the last step's result."""
-    seconds: dict = {name: [] for name in policies}
+def alternate(calls: dict[str, Callable[[int], object]], rounds: int) -> tuple[dict, object]:
+    """Each call's seconds (it is given the round), the calls taking turns for a warm-up round and then `rounds` more
+    (a drift of the machine's speed reaches them alike); and the last call's result."""
+    seconds: dict = {name: [] for name in calls}
     for i in range(1 + rounds):
-        for name, policy in policies.items():
+        for name, call in calls.items():
             t = time.perf_counter()
-            result = policy.step(batch, step=i)
+            result = call(i)
             if i:
                 seconds[name].append(time.perf_counter() - t)
     return seconds, result
+
+
+def steps(policies: dict, batch: Batch) -> dict[str, Callable[[int], object]]:
+    """Each policy's learner step on `batch` as a call of alternate (the round is the step)."""
+    return {
+        name: functools.partial(lambda policy, i: policy.step(batch, step=i), policy)
+        for name, policy in policies.items()
+    }
 
 
 def workload_row(part: str, workload: tuple, micro_batches: str, precision: str, threads: int) -> dict:
@@ -548,9 +551,8 @@ def side_by_side_rows(part: str, model: str, threads: int, precision: str, round
             policies = {
                 name: policy_step(model, precision, micro_batches, swaps) for name, swaps in SIDE_BY_SIDE[part].items()
             }
-            seconds, _ = alternate(
-                policies, profile_batch(workload, AutoConfig.from_pretrained(model).vocab_size), rounds
-            )
+            batch = profile_batch(workload, AutoConfig.from_pretrained(model).vocab_size)
+            seconds, _ = alternate(steps(policies, batch), rounds)
         row = {
             **workload_row(part, workload, micro_batches, precision, threads),
             "rounds": rounds,
@@ -643,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         for part in SIDE_BY_SIDE:
             if part in parts:
                 rows += side_by_side_rows(part, model, args.threads, precision, args.rounds)
-        if "attention" in parts and attention_ready():
+        if "attention" in parts and attention.ready():
             rows += attention_call_rows(args.rounds)
         if "layer" in parts:
             rows += layer_rows(args.threads, tmp, precision, args.rounds)

@@ -31,9 +31,8 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
         group = q.shape[1] // k.shape[1]
         kr, vr = (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
-        additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -torch.inf)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, kr, vr, 0.0, mask is None, attn_mask=additive, scale=scale
+            q, kr, vr, 0.0, mask is None, attn_mask=additive(mask, q.dtype), scale=scale
         )
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.scale = scale
@@ -46,6 +45,11 @@ class _Attention(torch.autograd.Function):
             dout = dout.contiguous()
         dq, dk, dv = cpu_kernels.kernels().attention_backward(dout, q, k, v, out, lse, mask is None, mask, ctx.scale)
         return dq, dk, dv, None, None
+
+
+def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the additive one torch's CPU flash forward takes (0 where attended, -inf elsewhere)."""
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, -torch.inf)
 
 
 @functools.cache

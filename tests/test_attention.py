@@ -51,7 +51,7 @@ def flash_grads(q, k, v, dout, mask):
     """dq, dk, dv by torch's CPU flash backward in bf16 (dk, dv summed over each kv head's group)."""
     group = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -torch.inf)
+    additive = attention.additive(mask, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, kr, vr, 0.0, mask is None, attn_mask=additive
     )
