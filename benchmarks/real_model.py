@@ -70,6 +70,7 @@ from common import OWN, QWEN25_7B, emit, machine_info, step_bytes  # noqa: E402 
 
 from learner import attention  # noqa: E402
 from learner.batch import Batch  # noqa: E402
+from learner.main import keep_freed_memory  # noqa: E402
 from learner.model import bf16_training  # noqa: E402
 from qurl import cpu_kernels  # noqa: E402
 from qurl.data import PromptDataset  # noqa: E402
@@ -640,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         if "packed" in parts:
             for workload in (GYM_WORKLOAD, MICRO_WORKLOAD):
                 rows += micro_rows(model, args.steps, args.threads, tmp, precision, workload, PACKED_MODES, "packed")
+        keep_freed_memory()  # the parts below train in this process: its heap as the learner process keeps it
         if "profile" in parts:
             rows += profile_rows(model, args.threads, precision)
         for part in SIDE_BY_SIDE:

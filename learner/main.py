@@ -65,16 +65,17 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 def keep_freed_memory() -> bool:
     """A CPU learner's glibc keeps the memory the process frees for its next allocations: no block served by mmap, no
-    heap trimmed. FSDP2 frees and re-allocates every layer's buffers each step, and each fresh page costs a fault:
-    SmolLM2's gym step on one AMX Xeon thread 3.84-3.94 s -> 3.40-3.41 s. A GLIBC_TUNABLES malloc setting wins; False
-    where it is set or the C library is not glibc."""
+    heap trimmed at any size (-1: mallopt's int read as the largest size_t). FSDP2 frees and re-allocates every layer's
+    buffers each step, and each fresh page costs a fault: SmolLM2's gym step on one AMX Xeon thread 3.84-3.94 s ->
+    3.40-3.41 s; a 7B decoder layer frees over 2 GB at once, which a 2^31 - 1 threshold still trimmed, re-faulting 2-5
+    GB a step. A GLIBC_TUNABLES malloc setting wins; False where it is set or the C library is not glibc."""
     if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
 
 
 def _run_rank(cfg: DictConfig) -> int:

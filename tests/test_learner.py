@@ -741,7 +741,6 @@ def test_all_finite_finds_one_bad_element_anywhere(dtype):
 
 KEEP_FREED = """
 import ctypes, sys
-import torch
 from learner.main import keep_freed_memory
 
 class Info(ctypes.Structure):  # glibc's struct mallinfo2
@@ -750,9 +749,12 @@ class Info(ctypes.Structure):  # glibc's struct mallinfo2
 
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = Info
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 kept = keep_freed_memory() if sys.argv[1] == "call" else None
-x = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)  # over glibc's largest mmap threshold (32 MB): mmap by default
-del x
+# 64 MB: over glibc's largest mmap threshold (32 MB), so mmap by default; 3 GB: a heap top over any int threshold
+block = libc.malloc(int(sys.argv[2]) << 20)  # untouched: only address space
+assert block, "malloc failed"
+libc.free(block)
 print(kept, libc.mallinfo2().fordblks >> 20)
 """
 
@@ -760,13 +762,18 @@ print(kept, libc.mallinfo2().fordblks >> 20)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_a_cpu_learner_keeps_the_memory_it_frees_unless_glibc_tunables_say_otherwise():
     """keep_freed_memory: a freed 64 MB block stays in the heap for the next step's buffers (no mmap, no trim), where
-    glibc unmaps it by default; with a GLIBC_TUNABLES malloc setting of the user's it leaves the allocator alone."""
+    glibc unmaps it by default, and so does a freed 3 GB top of the heap (a 7B layer's buffers), which the largest int
+    threshold (2^31 - 1) trimmed; with a GLIBC_TUNABLES malloc setting of the user's it leaves the allocator alone."""
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
 
-    def run(mode: str, tunables: str | None = None) -> tuple[str, int]:
+    def run(mode: str, mb: int = 64, tunables: str | None = None) -> tuple[str, int]:
         extra = {"GLIBC_TUNABLES": tunables} if tunables else {}
         out = subprocess.run(
-            [sys.executable, "-c", KEEP_FREED, mode], env=env | extra, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", KEEP_FREED, mode, str(mb)],
+            env=env | extra,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert out.returncode == 0, out.stderr[-2000:]
         kept, free_mb = out.stdout.split()
@@ -776,4 +783,5 @@ def test_a_cpu_learner_keeps_the_memory_it_frees_unless_glibc_tunables_say_other
     assert kept == "True" and free_mb >= 64
     kept, free_mb = run("skip")
     assert kept == "None" and free_mb < 64  # glibc's default: the block was mapped and unmapped
-    assert run("call", "glibc.malloc.mmap_max=0")[0] == "False"
+    assert run("call", 3 << 10)[1] >= 3 << 10
+    assert run("call", tunables="glibc.malloc.mmap_max=0")[0] == "False"
