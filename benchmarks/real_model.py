@@ -28,7 +28,7 @@ Parts (all by default, or a subset with --parts):
 - profile: where a learner step's time goes (--precision) on one gloo rank in this process (learner/policy_step.py's
   PolicyStep, the gym recipe's settings), at the micro part's batch shape (bucketed micro-batches) and at the gym
   recipe's (packed, as it trains): torch.profiler's self CPU time grouped by kind (matmuls, attention, the log-softmax
-  head, the optimizer, the rest), after one warm-up step.
+  head, the optimizer, the rest), after two warm-up steps.
 - fused: the learner step (in --precision, one gloo rank in this process) with learner/fused.py's RMSNorm and SwiGLU
   against transformers' own modules, at the gym recipe's shape (packed) and the micro part's (bucketed): both policies
   built side by side, their steps alternating for --rounds after a warm-up round; medians and their ratio.
@@ -36,6 +36,8 @@ Parts (all by default, or a subset with --parts):
   (both learners fused); and single backward calls (ATTENTION_CALLS: SmolLM2's heads on the micro part's longest
   bucket and on its groups packed by learner/packing.py, Qwen2.5-7B's heads), the compiled against torch's flash
   backward from the same forward, alternating for --rounds, medians.
+- linear: the learner step with learner/linear.py's weight gradients (dy transposed first) against torch's, one policy
+  stepping in turns under each: SmolLM2 gym (packed) and micro (bucketed), and two of Qwen2.5-7B's decoder layers.
 - layer: decoder layers of Qwen2.5-7B (hidden 3584, 28 heads; random weights, a vocabulary of 8,192) on the micro
   part's batches (bucketed): learners with 0 and 2 layers side by side in this process, steps alternating for --rounds
   after a warm-up; half their difference is one layer's seconds (fsdp, optimizer and all), and its share of the matmul
@@ -43,8 +45,8 @@ Parts (all by default, or a subset with --parts):
 - sync: int8 codes changed per push and delta / full push bytes per engine dtype after AdamW steps at the
   recipe's learning rate (or --sync-lr), s = 1 and 1.5 (benchmarks/sync.py's run on GSM text).
 
-    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,packed,profile,fused,attention,layer,sync]
-        [--threads 2] [--sync-lr LR] [--precision auto|fp32|bf16] [--rounds N] [--out FILE]
+    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,packed,profile,fused,attention,linear,
+        layer,sync] [--threads 2] [--sync-lr LR] [--precision auto|fp32|bf16] [--rounds N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import OWN, QWEN25_7B, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
-from learner import attention  # noqa: E402
+from learner import attention, linear  # noqa: E402
 from learner.batch import Batch  # noqa: E402
 from learner.main import keep_freed_memory  # noqa: E402
 from learner.model import bf16_training  # noqa: E402
@@ -79,7 +81,7 @@ from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the learner's train.precision -> its matmul dtype
-PARTS = ("mismatch", "decode", "learner", "micro", "packed", "profile", "fused", "attention", "layer", "sync")
+PARTS = ("mismatch", "decode", "learner", "micro", "packed", "profile", "fused", "attention", "linear", "layer", "sync")
 # prompts, samples, prompt tokens, response tokens (a range: drawn per prompt / per sample)
 MICRO_WORKLOAD = (2, 8, (190, 260), (16, 256))  # the pipeline benchmark's rollout-shaped batches
 GYM_WORKLOAD = (8, 8, (35, 50), (8, 12))  # configs/smollm2-gym-cpu.yaml: 8 x 8 samples, ~10-token answers
@@ -519,10 +521,11 @@ def profile_row(model: str, threads: int, precision: str, workload: tuple, micro
     with one_rank():
         policy = policy_step(model, precision, micro_batches)
         batch = profile_batch(workload, AutoConfig.from_pretrained(model).vocab_size)
-        policy.step(batch, step=0)  # warm-up
+        for i in range(2):  # warm-up: the kept heap reaches its size by the third step (no page faults from there)
+            policy.step(batch, step=i)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
-            result = policy.step(batch, step=1)
+            result = policy.step(batch, step=2)
             seconds = time.perf_counter() - t
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total_us = sum(e.self_cpu_time_total for e in events)
@@ -562,6 +565,42 @@ def side_by_side_rows(part: str, model: str, threads: int, precision: str, round
             "steps_s": seconds,
         }
         row["speedup"] = round(row[f"{other}_s"] / row[f"{shipped}_s"], 3)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def linear_rows(model: str, threads: int, precision: str, rounds: int, tmp: str) -> list[dict]:
+    """The learner step with learner/linear.py's weight gradients and with torch's (weight_grad's threshold out of
+    reach), one policy stepping in turns under each: SmolLM2 at the gym recipe's shape (packed) and the micro part's
+    (bucketed), and two of Qwen2.5-7B's decoder layers at the micro part's; medians and their ratio."""
+    from learner_step import random_qwen2
+
+    layers = random_qwen2(os.path.join(tmp, "qwen25-7b-linear"), dict(LAYER_SHAPE, num_hidden_layers=LAYER_DEPTHS[1]))
+    rows = []
+    for path, name, workload, micro_batches in (
+        (model, "SmolLM2-135M", GYM_WORKLOAD, "packed"),
+        (model, "SmolLM2-135M", MICRO_WORKLOAD, "bucketed"),
+        (layers, "Qwen2.5-7B, 2 decoder layers", MICRO_WORKLOAD, "bucketed"),
+    ):
+        with one_rank():
+            policy = policy_step(path, precision, micro_batches)
+            step = steps({"laid": policy}, profile_batch(workload, AutoConfig.from_pretrained(path).vocab_size))["laid"]
+
+            def torch_grads(i: int, step=step) -> object:
+                with mock.patch.object(linear, "WIDE_INPUT", sys.maxsize):
+                    return step(i)
+
+            seconds, _ = alternate({"laid": step, "torch": torch_grads}, rounds)
+        row = {
+            **workload_row("linear", workload, micro_batches, precision, threads),
+            "model": name,
+            "rounds": rounds,
+            "laid_s": statistics.median(seconds["laid"]),
+            "torch_s": statistics.median(seconds["torch"]),
+            "steps_s": seconds,
+        }
+        row["speedup"] = round(row["torch_s"] / row["laid_s"], 3)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
@@ -610,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="measured learner steps per precision")
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument(
-        "--rounds", type=int, default=5, help="fused, attention, layer: alternating measured steps per learner"
+        "--rounds", type=int, default=5, help="fused, attention, linear, layer: alternating measured steps per learner"
     )
     ap.add_argument("--precision", default="auto", choices=("auto", *DTYPES), help="micro and profile parts")
     ap.add_argument("--sync-lr", type=float, default=RECIPE_LR, help="the sync part's AdamW learning rate")
@@ -649,6 +688,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows += side_by_side_rows(part, model, args.threads, precision, args.rounds)
         if "attention" in parts and attention.ready():
             rows += attention_call_rows(args.rounds)
+        if "linear" in parts:
+            rows += linear_rows(model, args.threads, precision, args.rounds, tmp)
         if "layer" in parts:
             rows += layer_rows(args.threads, tmp, precision, args.rounds)
         if "sync" in parts:

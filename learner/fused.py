@@ -14,9 +14,9 @@ import types
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from learner.linear import linear
 from qurl import cpu_kernels
 
 
@@ -64,7 +64,7 @@ def rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
 
 def swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x), with gate and up in one GEMM over their concatenated weights."""
-    gate_up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+    gate_up = linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
     return self.down_proj(_SiluMul.apply(gate_up))
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from learner import attention
+from learner import attention, linear
 from qurl import cpu_kernels
 
 CHUNK_ELEMENTS = 1 << 26  # logits per chunk (256 MB in fp32); a few such buffers are the head's whole peak
@@ -103,11 +103,11 @@ class _ChunkedLogprob(torch.autograd.Function):
             if need_h:
                 grad_h[s : s + ctx.rows] = d @ weight
             if need_w and not sum_w:
-                grad_w = d.t() @ h
+                grad_w = linear.weight_grad(d, h)
             elif need_w and d.dtype == torch.float32:
                 grad_w.addmm_(d.t(), h)
             elif need_w:  # the chunk's product in the matmul's dtype, summed over chunks in fp32
-                grad_w.add_(d.t() @ h)
+                grad_w.add_(linear.weight_grad(d, h))
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
-from learner import attention
+from learner import attention, linear
 from learner.fused import fuse
 from qurl.hardware import native_bf16
 from qurl.quant.invariant_scaling import apply_invariant_scaling
@@ -78,6 +78,7 @@ def build_policy(cfg: DictConfig, device: torch.device, trainable: bool = True) 
         apply_invariant_scaling(model, *scaling)
     log.debug("fused CPU operators in %d modules", fuse(model))
     log.debug("compiled attention backward: %s", attention.install(model))
+    log.debug("weight gradients laid out in %d linears", linear.install(model))
     if trainable and cfg.model.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
             model.activation_checkpointing_enable({"use_reentrant": False})

@@ -78,6 +78,24 @@ def test_silu_mul_equals_torch(k, dtype):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (16, 16), (37, 70), (130, 3584), (4167, 48)])
+def test_transposed_is_an_exact_contiguous_transpose(k, dtype, shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape).to(dtype)
+    got = k.transposed(x)
+    assert got.is_contiguous() and torch.equal(got, x.t())
+    rows = torch.randn(shape[0], shape[1] + 5).to(dtype)[:, 3 : 3 + shape[1]]  # a row stride wider than the rows
+    assert torch.equal(k.transposed(rows), rows.t())
+
+
+def test_transposed_says_what_it_takes(k):
+    with pytest.raises(RuntimeError, match="16-bit elements"):
+        k.transposed(torch.zeros(4, 4))
+    with pytest.raises(RuntimeError, match="2-D CPU tensor of rows"):
+        k.transposed(torch.zeros(4, 4, dtype=torch.bfloat16).t())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_cache_rotates_q_and_k_and_writes_the_cache(k, dtype):
     torch.manual_seed(3)

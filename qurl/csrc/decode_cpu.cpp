@@ -2,7 +2,8 @@
 // Each replaces a chain of small torch ops whose dispatch costs more than their arithmetic at decode shapes
 // (rows = sequences in the batch). Semantics match rollout_server/engines/model.py and qurl/quant/absmax.py.
 // The learner's: its log-prob head (learner/logprobs.py), RMSNorm and SwiGLU forward and backward (learner/fused.py),
-// attention's backward (learner/attention.py), a push's int8 codes and its delta (qurl/wire/delta.py).
+// attention's backward (learner/attention.py), a transpose for its weight gradients (learner/linear.py), a push's int8
+// codes and its delta (qurl/wire/delta.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -1031,6 +1032,61 @@ void head_backward_kernel(T* logits, const int64_t* targets, const float* lse, c
 }
 #endif
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+// a 16 x 16 block of 16-bit elements transposed in registers: three rounds of interleaving pairs, then 128-bit halves
+inline void transpose_16x16(const uint16_t* s, int64_t ls, uint16_t* d, int64_t ld) {
+  __m256i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i * ls));
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm256_unpacklo_epi32(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm256_unpackhi_epi32(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm256_unpacklo_epi32(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm256_unpackhi_epi32(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + 2 * j] = _mm256_unpacklo_epi64(r[8 * i + j], r[8 * i + j + 4]);
+      t[8 * i + 2 * j + 1] = _mm256_unpackhi_epi64(r[8 * i + j], r[8 * i + j + 4]);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm256_permute2x128_si256(t[j], t[j + 8], 0x20);
+    r[j + 8] = _mm256_permute2x128_si256(t[j], t[j + 8], 0x31);
+  }
+  for (int i = 0; i < 16; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i * ld), r[i]);
+}
+#endif
+
+// dst [cols, rows] = src [rows, cols]^T of 16-bit elements (any dtype of that width moves unchanged), over 64 x 64
+// tiles shared among the threads, each in 16 x 16 register blocks where AVX2 has them
+void transpose_tiles(const uint16_t* src, int64_t rows, int64_t cols, int64_t ld, uint16_t* dst) {
+  constexpr int64_t kTile = 64;
+  const int64_t col_tiles = (cols + kTile - 1) / kTile, tiles = (rows + kTile - 1) / kTile * col_tiles;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t / col_tiles * kTile, c0 = t % col_tiles * kTile;
+      const int64_t r1 = std::min(rows, r0 + kTile), c1 = std::min(cols, c0 + kTile);
+      int64_t r = r0;
+#if defined(__AVX2__)
+      for (; r + 16 <= r1; r += 16) {
+        int64_t c = c0;
+        for (; c + 16 <= c1; c += 16) transpose_16x16(src + r * ld + c, ld, dst + c * rows + r, rows);
+        for (; c < c1; ++c)
+          for (int64_t k = r; k < r + 16; ++k) dst[c * rows + k] = src[k * ld + c];
+      }
+#endif
+      for (; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) dst[c * rows + r] = src[r * ld + c];
+    }
+  });
+}
+
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), name, ": a contiguous 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": fp32 or bf16");
@@ -1115,6 +1171,15 @@ at::Tensor changed_indices(const at::Tensor& a, const at::Tensor& b) {
     case 8: return changed_in(static_cast<const uint64_t*>(pa), static_cast<const uint64_t*>(pb), n, a.options());
     default: TORCH_CHECK(false, "changed_indices: elements of 1, 2, 4 or 8 bytes");
   }
+}
+
+at::Tensor transposed(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "transposed: a 2-D CPU tensor of rows");
+  TORCH_CHECK(x.element_size() == 2, "transposed: 16-bit elements (bf16, fp16)");
+  at::Tensor out = at::empty({x.size(1), x.size(0)}, x.options());
+  transpose_tiles(static_cast<const uint16_t*>(x.data_ptr()), x.size(0), x.size(1), x.stride(0),
+                  static_cast<uint16_t*>(out.data_ptr()));
+  return out;
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) {
@@ -1594,6 +1659,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "HF RMSNorm over rows");
   m.def("quantize_uint8_shifted", &quantize_uint8_shifted, "per-row int8 codes + 128 as uint8, and fp32 scales");
   m.def("silu_mul", &silu_mul, "up * silu(gate) over [gate | up] rows");
+  m.def("transposed", &transposed, "x^T as a contiguous copy, over tiles, in parallel");
   m.def("silu_mul_backward", &silu_mul_backward, "[d gate | d up] of silu_mul from d out");
   m.def("rms_norm_backward", &rms_norm_backward, "d x and d weight of HF RMSNorm");
   m.def("changed_indices", &changed_indices, "flat indices of the elements whose bit patterns differ");
