@@ -218,12 +218,15 @@ def head_logprobs(
         side["entropy"] = None if out.entropy is None else _spread(out.entropy, at, targets.shape)
         return _spread(out.logp, at, targets.shape)
 
+    swapped = head.__dict__.get("forward")  # a module swap's own forward (learner/linear.py's), put back after
     head.forward = forward
     try:
         with _attention(model, inputs["input_ids"]):
             logp = model(use_cache=False, **inputs).logits
     finally:
         del head.forward
+        if swapped is not None:
+            head.forward = swapped
     return LogProbs(logp, side["entropy"])
 
 

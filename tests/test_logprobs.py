@@ -127,6 +127,21 @@ def test_the_learner_log_probs_never_hold_every_logit():
     assert probe.largest <= vocab * 32 < 2 * 511 * vocab
 
 
+def test_the_head_keeps_a_module_swaps_own_forward():
+    """head_logprobs puts its forward on the lm_head for one call, then restores the forward the head had: a swapped
+    one (learner/linear.py's) or the class's own."""
+    from learner import linear
+
+    model = tiny_lm(64)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    head = model.get_output_embeddings()
+    token_logprobs(model, ids, 1, 1.0)
+    assert "forward" not in head.__dict__
+    linear.install(model)
+    token_logprobs(model, ids, 1, 1.0)
+    assert head.forward.__func__ is linear.linear_forward
+
+
 def test_start_must_leave_a_prefix():
     with pytest.raises(ValueError, match="start >= 1"):
         token_logprobs(tiny_lm(50), torch.zeros(1, 4, dtype=torch.long), 0, 1.0)
