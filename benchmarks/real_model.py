@@ -548,7 +548,6 @@ def profile_row(model: str, threads: int, precision: str, workload: tuple, micro
 def side_by_side_rows(part: str, model: str, threads: int, precision: str, rounds: int) -> list[dict]:
     """The learner step with and without one CPU swap (SIDE_BY_SIDE[part]), at the gym recipe's shape (packed) and the
     micro part's (bucketed): both policies in this process, their steps alternating, medians and their ratio."""
-    shipped, other = SIDE_BY_SIDE[part]
     rows = []
     for workload, micro_batches in ((GYM_WORKLOAD, "packed"), (MICRO_WORKLOAD, "bucketed")):
         with one_rank():
@@ -557,17 +556,24 @@ def side_by_side_rows(part: str, model: str, threads: int, precision: str, round
             }
             batch = profile_batch(workload, AutoConfig.from_pretrained(model).vocab_size)
             seconds, _ = alternate(steps(policies, batch), rounds)
-        row = {
-            **workload_row(part, workload, micro_batches, precision, threads),
-            "rounds": rounds,
-            f"{shipped}_s": statistics.median(seconds[shipped]),
-            f"{other}_s": statistics.median(seconds[other]),
-            "steps_s": seconds,
-        }
-        row["speedup"] = round(row[f"{other}_s"] / row[f"{shipped}_s"], 3)
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(compared_row(workload_row(part, workload, micro_batches, precision, threads), rounds, seconds))
     return rows
+
+
+def compared_row(fields: dict, rounds: int, seconds: dict) -> dict:
+    """A side-by-side row: `fields`, each learner's median step seconds (the shipped one first in `seconds`), every
+    step's, and the other's median over the shipped one's; printed as it comes."""
+    shipped, other = seconds
+    row = {
+        **fields,
+        "rounds": rounds,
+        f"{shipped}_s": statistics.median(seconds[shipped]),
+        f"{other}_s": statistics.median(seconds[other]),
+        "steps_s": seconds,
+    }
+    row["speedup"] = round(row[f"{other}_s"] / row[f"{shipped}_s"], 3)
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
 
 
 def linear_rows(model: str, threads: int, precision: str, rounds: int, tmp: str) -> list[dict]:
@@ -584,25 +590,18 @@ def linear_rows(model: str, threads: int, precision: str, rounds: int, tmp: str)
         (layers, "Qwen2.5-7B, 2 decoder layers", MICRO_WORKLOAD, "bucketed"),
     ):
         with one_rank():
-            policy = policy_step(path, precision, micro_batches)
-            step = steps({"laid": policy}, profile_batch(workload, AutoConfig.from_pretrained(path).vocab_size))["laid"]
+            laid = steps(
+                {"laid": policy_step(path, precision, micro_batches)},
+                profile_batch(workload, AutoConfig.from_pretrained(path).vocab_size),
+            )["laid"]
 
-            def torch_grads(i: int, step=step) -> object:
+            def torch_grads(i: int, laid=laid) -> object:
                 with mock.patch.object(linear, "WIDE_INPUT", sys.maxsize):
-                    return step(i)
+                    return laid(i)
 
-            seconds, _ = alternate({"laid": step, "torch": torch_grads}, rounds)
-        row = {
-            **workload_row("linear", workload, micro_batches, precision, threads),
-            "model": name,
-            "rounds": rounds,
-            "laid_s": statistics.median(seconds["laid"]),
-            "torch_s": statistics.median(seconds["torch"]),
-            "steps_s": seconds,
-        }
-        row["speedup"] = round(row["torch_s"] / row["laid_s"], 3)
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+            seconds, _ = alternate({"laid": laid, "torch": torch_grads}, rounds)
+        fields = workload_row("linear", workload, micro_batches, precision, threads)
+        rows.append(compared_row({**fields, "model": name}, rounds, seconds))
     return rows
 
 

@@ -1659,8 +1659,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "HF RMSNorm over rows");
   m.def("quantize_uint8_shifted", &quantize_uint8_shifted, "per-row int8 codes + 128 as uint8, and fp32 scales");
   m.def("silu_mul", &silu_mul, "up * silu(gate) over [gate | up] rows");
-  m.def("transposed", &transposed, "x^T as a contiguous copy, over tiles, in parallel");
   m.def("silu_mul_backward", &silu_mul_backward, "[d gate | d up] of silu_mul from d out");
+  m.def("transposed", &transposed, "x^T as a contiguous copy, over tiles, in parallel");
   m.def("rms_norm_backward", &rms_norm_backward, "d x and d weight of HF RMSNorm");
   m.def("changed_indices", &changed_indices, "flat indices of the elements whose bit patterns differ");
   m.def("int8_linear", &int8_linear, "an int8 linear by oneDNN's prepacked GEMM: quantize, GEMM, dequantize (+ bias)");
