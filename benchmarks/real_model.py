@@ -596,7 +596,7 @@ def linear_rows(model: str, threads: int, precision: str, rounds: int, tmp: str)
             )["laid"]
 
             def torch_grads(i: int, laid=laid) -> object:
-                with mock.patch.object(linear, "WIDE_INPUT", sys.maxsize):
+                with mock.patch.object(linear, "WIDE", sys.maxsize):
                     return laid(i)
 
             seconds, _ = alternate({"laid": laid, "torch": torch_grads}, rounds)

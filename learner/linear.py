@@ -6,9 +6,9 @@ shapes over 4,167 tokens: 0.74-1.10 TFLOP/s against 1.8-2.1 forward). Here dy^T 
 kernels' tiled transpose (qurl/csrc), so the product runs at the plain rate and writes dW in the weight's own layout.
 The values are the same products, each sum in oneDNN's own order.
 
-The transpose costs in proportion to dy's size and saves in proportion to dy's size times x's width, so narrow inputs
-keep torch's own backward: fwd + bwd of one linear at 4,167 tokens ran 1.30-1.44x faster at the 7B's shapes (inputs
-3584-18944 wide), 1.18x at SmolLM2's down projection (1536), and 0.82-1.09x at its 576-wide inputs.
+The transpose costs in proportion to dy's size and the product's saving grows with both widths, so products whose
+dy and x are both narrow keep torch's own backward. Per weight gradient over 1,100-4,167 tokens (AMX Xeon, RESULTS §13):
+1.8-2.1x at the 7B's shapes, 1.4-2.1x at SmolLM2's gate/up, down and head, 0.7-0.8x at its 576 x 576 q and o.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from torch import nn
 
 from qurl import cpu_kernels
 
-WIDE_INPUT = 1024  # x's width from which dy is transposed first
+WIDE = 1024  # the width of dy or x from which dy is transposed first
 
 
 def weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """dy^T x for dy [tokens, out] and x [tokens, in]: [out, in], dy transposed first where it is bf16 on a CPU, x is
-    WIDE_INPUT wide and the kernels are built."""
-    laid = dy.is_cpu and dy.dtype == torch.bfloat16 and x.shape[-1] >= WIDE_INPUT
+    """dy^T x for dy [tokens, out] and x [tokens, in]: [out, in], dy transposed first where it is bf16 on a CPU, dy or
+    x is WIDE wide and the kernels are built."""
+    laid = dy.is_cpu and dy.dtype == torch.bfloat16 and max(dy.shape[-1], x.shape[-1]) >= WIDE
     kernels = cpu_kernels.kernels() if laid else None
     if kernels is None or dy.stride(-1) != 1:
         return dy.t() @ x

@@ -46,19 +46,20 @@ def test_weight_grad_transposes_dy_only_where_it_pays(monkeypatch):
     calls = []
     kernels = cpu_kernels.kernels()
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: calls.append(1) or kernels)
-    dy = torch.randn(64, 32)
-    for x, laid in (
-        (torch.randn(64, linear.WIDE_INPUT).to(torch.bfloat16), True),
-        (torch.randn(64, linear.WIDE_INPUT - 1).to(torch.bfloat16), False),  # narrow: the transpose would not pay
-        (torch.randn(64, linear.WIDE_INPUT), False),  # fp32
+    narrow, wide = linear.WIDE - 1, linear.WIDE
+    for out, x, laid in (
+        (32, torch.randn(64, wide).to(torch.bfloat16), True),  # a wide input
+        (wide, torch.randn(64, 32).to(torch.bfloat16), True),  # a wide output (gate/up, the log-prob head)
+        (narrow, torch.randn(64, narrow).to(torch.bfloat16), False),  # both narrow: the transpose would not pay
+        (32, torch.randn(64, wide), False),  # fp32
     ):
         calls.clear()
-        g = dy.to(x.dtype)
+        g = torch.randn(64, out).to(x.dtype)
         torch.testing.assert_close(linear.weight_grad(g, x).float(), (g.t() @ x).float(), rtol=1e-2, atol=1e-2)
         assert bool(calls) == laid
     cols = torch.randn(32, 64).to(torch.bfloat16).t()  # dy whose rows are not contiguous: torch's product
     calls.clear()
-    x = torch.randn(64, linear.WIDE_INPUT).to(torch.bfloat16)
+    x = torch.randn(64, linear.WIDE).to(torch.bfloat16)
     assert torch.equal(linear.weight_grad(cols, x), cols.t() @ x)
 
 
