@@ -32,10 +32,10 @@ Parts (all by default, or a subset with --parts):
 - fused: the learner step (in --precision, one gloo rank in this process) with learner/fused.py's RMSNorm and SwiGLU
   against transformers' own modules, at the gym recipe's shape (packed) and the micro part's (bucketed): both policies
   built side by side, their steps alternating for --rounds after a warm-up round; medians and their ratio.
-- attention: the same as fused for learner/attention.py's compiled attention backward against torch's flash backward
-  (both learners fused); and single backward calls (ATTENTION_CALLS: SmolLM2's heads on the micro part's longest
+- attention: the same as fused for learner/attention.py's compiled attention against torch's flash attention (both
+  learners fused); and single forward and backward calls (ATTENTION_CALLS: SmolLM2's heads on the micro part's longest
   bucket and on its groups packed by learner/packing.py, Qwen2.5-7B's heads), the compiled against torch's flash
-  backward from the same forward, alternating for --rounds, medians.
+  attention, the backward from the same forward, alternating for --rounds, medians.
 - linear: the learner step with learner/linear.py's weight gradients (dy transposed first) against torch's, one policy
   stepping in turns under each: SmolLM2 gym (packed) and micro (bucketed), and two of Qwen2.5-7B's decoder layers.
 - layer: decoder layers of Qwen2.5-7B (hidden 3584, 28 heads; random weights, a vocabulary of 8,192) on the micro
@@ -88,7 +88,7 @@ GYM_WORKLOAD = (8, 8, (35, 50), (8, 12))  # configs/smollm2-gym-cpu.yaml: 8 x 8 
 # the side-by-side parts: each learner's name and which of learner/model.py's CPU swaps it makes (SWAPS), shipped first
 SIDE_BY_SIDE = {
     "fused": {"fused": ("fuse", "attention"), "torch": ("attention",)},  # learner/fused.py's norms and MLPs or not
-    "attention": {"compiled": ("fuse", "attention"), "flash": ("fuse",)},  # learner/attention.py's backward or torch's
+    "attention": {"compiled": ("fuse", "attention"), "flash": ("fuse",)},  # learner/attention.py's or torch's
 }
 LAYER_SHAPE = dict(QWEN25_7B, vocab_size=8192)  # the layer part: the 7B's decoder layer (its head is §9's figure)
 LAYER_DEPTHS = (0, 2)  # the layer part's two learners: their difference is two decoder layers
@@ -403,8 +403,9 @@ ATTENTION_CALLS = (
 
 
 def attention_call_rows(rounds: int) -> list[dict]:
-    """One attention backward per ATTENTION_CALLS shape in bf16: learner/attention.py's against torch's flash backward,
-    from the same flash forward, alternating after a warm-up, medians (dk, dv of torch's summed over each group)."""
+    """One attention forward and backward per ATTENTION_CALLS shape in bf16: learner/attention.py's against torch's
+    flash attention (its forward with the repeated k, v and additive mask it takes), the backward from the same
+    forward, alternating after a warm-up, medians (dk, dv of torch's summed over each group)."""
     from learner.packing import pack
 
     batch = profile_batch(MICRO_WORKLOAD, 1000)
@@ -419,29 +420,31 @@ def attention_call_rows(rounds: int) -> list[dict]:
         q, k, v, dout = (
             torch.randn(n, length, heads, d, generator=g).to(torch.bfloat16).transpose(1, 2) for heads in (h, hk, hk, h)
         )
-        kr, vr = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
-        additive = attention.additive(mask, q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, kr, vr, 0.0, mask is None, attn_mask=additive
-        )
+
+        def flash_forward(i: int) -> tuple:
+            kr, vr = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
+            additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -torch.inf)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, kr, vr, 0.0, mask is None, attn_mask=additive
+            )[:2]
+            return out, lse, kr, vr, additive
+
+        out, lse, kr, vr, additive = flash_forward(0)
         kernels = cpu_kernels.kernels()
         calls = {
-            "compiled": lambda i: kernels.attention_backward(dout, q, k, v, out, lse, mask is None, mask, d**-0.5),
-            "flash": lambda i: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            "forward": lambda i: kernels.attention_forward(q, k, v, mask is None, mask, d**-0.5),
+            "flash_forward": flash_forward,
+            "backward": lambda i: kernels.attention_backward(dout, q, k, v, out, lse, mask is None, mask, d**-0.5),
+            "flash_backward": lambda i: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, kr, vr, out, lse, 0.0, mask is None, attn_mask=additive
             ),
         }
         seconds, _ = alternate(calls, rounds)
-        row = {
-            "part": "attention",
-            "call": name,
-            "shape": [n, h, hk, length, d],
-            "masked": mask is not None,
-            "rounds": rounds,
-            "compiled_ms": round(1e3 * statistics.median(seconds["compiled"]), 2),
-            "flash_ms": round(1e3 * statistics.median(seconds["flash"]), 2),
-        }
-        row["speedup"] = round(row["flash_ms"] / row["compiled_ms"], 3)
+        ms = {key: round(1e3 * statistics.median(value), 2) for key, value in seconds.items()}
+        row = {"part": "attention", "call": name, "shape": [n, h, hk, length, d], "masked": mask is not None}
+        row |= {"rounds": rounds, **{f"{key}_ms": value for key, value in ms.items()}}
+        row["forward_speedup"] = round(ms["flash_forward"] / ms["forward"], 3)
+        row["backward_speedup"] = round(ms["flash_backward"] / ms["backward"], 3)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     return rows

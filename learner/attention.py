@@ -1,7 +1,8 @@
-"""The learner's attention on CPU: torch's flash forward, its gradient by the compiled backward (qurl/csrc). Torch's
-CPU flash backward ran at ~75 GFLOP/s on SmolLM2's GSM-shaped rows, a quarter of the learner's step; the compiled one
-runs the same blocks on oneDNN's brgemm (AMX tiles where present) with the softmax gradient in registers, 3-7x faster
-per call (RESULTS §13).
+"""The learner's attention on CPU, forward and backward compiled (qurl/csrc). Torch's CPU flash backward ran at ~75
+GFLOP/s on SmolLM2's GSM-shaped rows, a quarter of the learner's step; the compiled one runs the same blocks on oneDNN's
+brgemm (AMX tiles where present) with the softmax gradient in registers, 3-7x faster per call. The forward, flash
+attention's online softmax over the same blocks, reads grouped k and v without repeating them and writes its output
+in the layout the output projection reads (RESULTS §13).
 
 `install` registers it with transformers as the attention implementation `qurl_sdpa` and switches a CPU model from
 `sdpa` to it. A call it does not cover (no gradient, fp32, dropout, an additive mask, a call under
@@ -29,11 +30,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
-        group = q.shape[1] // k.shape[1]
-        kr, vr = (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, kr, vr, 0.0, mask is None, attn_mask=additive(mask, q.dtype), scale=scale
-        )
+        out, lse = cpu_kernels.kernels().attention_forward(q, k, v, mask is None, mask, scale)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.scale = scale
         return out
@@ -47,14 +44,9 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A boolean mask as the additive one torch's CPU flash forward takes (0 where attended, -inf elsewhere)."""
-    return None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, -torch.inf)
-
-
 @functools.cache
 def ready() -> bool:
-    """Whether this CPU runs the compiled backward: the kernels built with it and oneDNN's bf16 brgemm usable."""
+    """Whether this CPU runs the compiled attention: the kernels built with it and oneDNN's bf16 brgemm usable."""
     k = cpu_kernels.kernels()
     return k is not None and hasattr(k, "attention_backward") and k.attention_backward_ready()
 

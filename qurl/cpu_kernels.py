@@ -2,9 +2,9 @@
 SiLU x up, rotary with the cache write, decode attention, the temperature draw (sampling.py), an int8 linear by oneDNN's
 GEMM in one call (quantize, GEMM, dequantize), and an int8 GEMM for decode batches (AMX tiles, AVX-512 VNNI or AVX2).
 The learner's: the log-prob head's forward and backward (learner/logprobs.py), RMSNorm's and SwiGLU's
-(learner/fused.py), attention's backward (learner/attention.py), a transpose for weight gradients (learner/linear.py),
-and the per-row int8 quantization of a weight push
-(qurl/quant/absmax.py). One compiled module, built once per CPU kind.
+(learner/fused.py), attention's forward and backward (learner/attention.py), a transpose for weight gradients
+(learner/linear.py), and the per-row int8 quantization of a weight push (qurl/quant/absmax.py). One compiled module,
+built once per CPU kind.
 
 Built once per CPU kind with the machine's own vector instructions (`-march=native`), at set-up
 (`python -m qurl.cpu_kernels`) or on first use; where no compiler is found the

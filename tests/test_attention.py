@@ -1,5 +1,5 @@
-"""learner/attention.py: the compiled attention backward against fp64, against torch's own flash backward, and inside
-a model (transformers' SDPA attention elsewhere)."""
+"""learner/attention.py: the compiled attention, forward and backward, against fp64, against torch's own flash
+attention, and inside a model (transformers' SDPA attention elsewhere)."""
 
 import pytest
 import torch
@@ -47,14 +47,32 @@ def exact_grads(q, k, v, dout, mask):
     return q64.grad, k64.grad, v64.grad
 
 
+def exact_forward(q, k, v, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and logsumexp of the scaled scores in fp64."""
+    group = q.shape[1] // k.shape[1]
+    k64, v64 = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = q.double() @ k64.transpose(-1, -2) * q.shape[-1] ** -0.5
+    allowed = torch.ones(scores.shape[-2:], dtype=torch.bool).tril() if mask is None else mask
+    scores = scores.masked_fill(~allowed, -torch.inf)
+    return scores.softmax(-1) @ v64, scores.logsumexp(-1)
+
+
+def flash(q, k, v, mask) -> tuple[torch.Tensor, ...]:
+    """torch's CPU flash forward in bf16: out, logsumexp, and the repeated k, v and additive mask it took."""
+    group = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    # its mask: additive, in the query's dtype (0 where attended, -inf elsewhere)
+    additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -torch.inf)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, kr, vr, 0.0, mask is None, attn_mask=additive
+    )[:2]
+    return out, lse, kr, vr, additive
+
+
 def flash_grads(q, k, v, dout, mask):
     """dq, dk, dv by torch's CPU flash backward in bf16 (dk, dv summed over each kv head's group)."""
     group = q.shape[1] // k.shape[1]
-    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    additive = attention.additive(mask, q.dtype)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, kr, vr, 0.0, mask is None, attn_mask=additive
-    )
+    out, lse, kr, vr, additive = flash(q, k, v, mask)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, kr, vr, out, lse, 0.0, mask is None, attn_mask=additive
     )
@@ -65,16 +83,42 @@ def relative(got: torch.Tensor, exact: torch.Tensor) -> float:
     return ((got.double() - exact).norm() / exact.norm()).item()
 
 
-@pytest.mark.parametrize(
-    "b, h, hk, length, d, masked",
-    [
-        (2, 4, 2, 130, 64, False),  # a partial last block, grouped kv heads
-        (1, 9, 3, 463, 64, False),  # SmolLM2's heads at the GSM-shaped row length
-        (2, 4, 4, 70, 128, False),  # Qwen2.5's head_dim: dq's B packed in two 64-column halves
-        (2, 6, 2, 190, 32, True),  # a packed mask: blocks with no pair attended are skipped
-        (1, 4, 1, 257, 128, True),
-    ],
-)
+SHAPES = [
+    (2, 4, 2, 130, 64, False),  # a partial last block, grouped kv heads
+    (1, 9, 3, 463, 64, False),  # SmolLM2's heads at the GSM-shaped row length
+    (2, 4, 4, 70, 128, False),  # Qwen2.5's head_dim: dq's B packed in two 64-column halves
+    (2, 6, 2, 190, 32, True),  # a packed mask: blocks with no pair attended are skipped
+    (1, 4, 1, 257, 128, True),
+]
+
+
+@pytest.mark.parametrize("b, h, hk, length, d, masked", SHAPES)
+def test_forward_matches_fp64_as_closely_as_torchs_flash(b, h, hk, length, d, masked):
+    q, k, v, _ = qkv(b, h, hk, length, d, seed=1)
+    mask = packed_mask(b, length, prompt=40) if masked else None
+    out, lse = attention.cpu_kernels.kernels().attention_forward(q, k, v, mask is None, mask, d**-0.5)
+    exact_out, exact_lse = exact_forward(q, k, v, mask)
+    theirs, their_lse = flash(q, k, v, mask)[:2]
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert out.transpose(1, 2).is_contiguous()  # [B, L, H, D] memory: what the output projection reads
+    # the output's bf16 rounding dominates (~2e-3), P's rounding to bf16 before P v next
+    assert relative(out, exact_out) <= 1.05 * relative(theirs, exact_out) + 1e-4, relative(out, exact_out)
+    assert (lse.double() - exact_lse).abs().max() < 1e-3
+    assert (their_lse.double() - exact_lse).abs().max() < 1e-3  # the same quantity as torch's, as the backward takes
+
+
+def test_forward_rejects_what_it_does_not_compute():
+    q, k, v, _ = qkv(1, 4, 2, 64, 64)
+    kernels = attention.cpu_kernels.kernels()
+    with pytest.raises(RuntimeError, match="attention_forward: bf16"):
+        kernels.attention_forward(q.float(), k, v, True, None, 0.125)
+    with pytest.raises(RuntimeError, match="as many keys as queries"):
+        kernels.attention_forward(q, k[:, :, :32], v[:, :, :32], True, None, 0.125)
+    with pytest.raises(RuntimeError, match="a boolean mask"):
+        kernels.attention_forward(q, k, v, False, torch.zeros(1, 1, 64, 64), 0.125)
+
+
+@pytest.mark.parametrize("b, h, hk, length, d, masked", SHAPES)
 def test_gradients_match_fp64_as_closely_as_torchs_flash(b, h, hk, length, d, masked):
     q, k, v, dout = qkv(b, h, hk, length, d)
     mask = packed_mask(b, length, prompt=40) if masked else None
@@ -91,12 +135,14 @@ def test_gradients_match_fp64_as_closely_as_torchs_flash(b, h, hk, length, d, ma
         assert relative(mine, e) < 4e-3, name
 
 
-def test_a_row_that_attends_to_nothing_gets_no_gradient_and_no_nan():
+def test_a_row_that_attends_to_nothing_gets_zeros_no_gradient_and_no_nan():
     q, k, v, dout = qkv(1, 2, 2, 70, 64, seed=3)
     mask = torch.ones(70, 70, dtype=torch.bool).tril().expand(1, 1, 70, 70).clone()
     mask[..., 5:9, :] = False  # as a packed row's padding
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    dq, dk, dv = torch.autograd.grad(attention._Attention.apply(q, k, v, mask, 0.125), (q, k, v), dout)
+    out = attention._Attention.apply(q, k, v, mask, 0.125)
+    assert (out[:, :, 5:9] == 0).all() and torch.isfinite(out).all()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
     assert (dq[:, :, 5:9] == 0).all()
 
@@ -130,7 +176,7 @@ def model_grads(model, ids, **inputs):
 
 
 def test_a_models_logits_and_gradients_match_sdpa(monkeypatch):
-    """The same flash forward, so the same logits; every parameter's gradient within bf16's rounding of SDPA's."""
+    """Logits and every parameter's gradient within bf16's rounding of SDPA's."""
     ids = torch.randint(0, 101, (3, 200), generator=torch.Generator().manual_seed(1))
     reference, mine = tiny_llama(), tiny_llama()
     assert attention.install(mine) and mine.config._attn_implementation == attention.NAME
@@ -138,8 +184,8 @@ def test_a_models_logits_and_gradients_match_sdpa(monkeypatch):
     want_logits, want = model_grads(reference, ids)
     calls = counted(monkeypatch)
     got_logits, got = model_grads(mine, ids)
-    assert len(calls) == 2  # each layer's attention went through the compiled backward
-    assert torch.equal(got_logits, want_logits)
+    assert len(calls) == 2  # each layer's attention went through the compiled path
+    torch.testing.assert_close(got_logits, want_logits, rtol=0.02, atol=0.02)
     for name, g in got.items():
         torch.testing.assert_close(g.float(), want[name].float(), rtol=0.05, atol=2e-3, msg=name)
 
@@ -178,7 +224,7 @@ def test_packed_rows_train_through_it(monkeypatch):
     calls = counted(monkeypatch)
     got_logits, got = model_grads(mine, ids, attention_mask=mask, position_ids=positions)
     assert len(calls) == 2
-    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0.02, atol=0.02)
     for name, g in got.items():
         torch.testing.assert_close(g.float(), want[name].float(), rtol=0.05, atol=2e-3, msg=name)
 

@@ -1422,10 +1422,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <ATen/native/CPUBlas.h>
 #define QURL_ATTENTION_BACKWARD
-// The learner's attention backward (learner/fused.py): dq, dk, dv of causal or masked SDPA in bf16, from the forward's
-// output and logsumexp (torch's CPU flash forward), over blocks of 64 queries x 64 keys whose five products run on
-// oneDNN's brgemm (AMX tiles where the CPU has them) and whose softmax gradient is one pass in registers. Torch's
-// CPU flash backward ran at ~75 GFLOP/s on SmolLM2's GSM-shaped rows (RESULTS §13).
+// The learner's attention (learner/attention.py), forward and backward, causal or masked SDPA in bf16, over blocks of
+// 64 queries x 64 keys whose products run on oneDNN's brgemm (AMX tiles where the CPU has them) and whose softmax
+// (forward: online, as flash attention) and softmax gradient are one pass in registers. Torch's CPU flash backward ran
+// at ~75 GFLOP/s on SmolLM2's GSM-shaped rows, its forward at ~200 (RESULTS §13).
 namespace attention_grad {
 using BF16 = c10::BFloat16;
 namespace cpublas = at::native::cpublas;
@@ -1436,6 +1436,11 @@ struct Rows {
   const BF16* p;
   int64_t ld;
 };
+
+// sequence b's head hh of a [B, H, L, D] tensor
+Rows view(const at::Tensor& t, int64_t b, int64_t hh) {
+  return Rows{t.data_ptr<BF16>() + b * t.stride(0) + hh * t.stride(1), t.stride(2)};
+}
 
 // rows [r0, r0 + 64) of `x` into a zero-padded 64 x cols row-major block
 void block_rows(Rows x, int64_t r0, int64_t len, int64_t cols, BF16* dst) {
@@ -1472,24 +1477,117 @@ inline __mmask16 allowed(int64_t qi, int64_t kj, int64_t len, bool causal, const
   return ok;
 }
 
-// which 64 x 64 blocks of (query, key) have any pair attended: j <= i under the causal mask, else from the mask's
-// rows, so that blocks a packed row's mask leaves empty (one answer's keys for another's queries) cost nothing
+// whether 64 x 64 block (i, j) of (query, key) has any pair attended: j <= i under the causal mask, else from the
+// mask's rows, so that blocks a packed row's mask leaves empty (one answer's keys for another's queries) cost nothing
+bool live_block(int64_t i, int64_t j, int64_t len, bool causal, const bool* mask, int64_t mask_ld) {
+  if (causal) return j <= i;
+  const int64_t w = std::min(kBlock, len - j * kBlock);
+  const __mmask64 cols = w == 64 ? ~0ULL : (1ULL << w) - 1;
+  for (int64_t r = i * kBlock; r < std::min(len, (i + 1) * kBlock); ++r) {
+    const __m512i m = _mm512_maskz_loadu_epi8(cols, mask + r * mask_ld + j * kBlock);
+    if (_mm512_test_epi8_mask(m, m) != 0) return true;
+  }
+  return false;
+}
+
 void live_blocks(int64_t len, bool causal, const bool* mask, int64_t mask_ld, std::vector<uint8_t>& live) {
   const int64_t blocks = (len + kBlock - 1) / kBlock;
-  live.assign(blocks * blocks, 0);
-  for (int64_t i = 0; i < blocks; ++i) {
-    for (int64_t j = 0; j < blocks; ++j) {
-      if (causal) {
-        live[i * blocks + j] = j <= i;
-        continue;
-      }
-      const int64_t w = std::min(kBlock, len - j * kBlock);
-      const __mmask64 cols = w == 64 ? ~0ULL : (1ULL << w) - 1;
-      for (int64_t r = i * kBlock; r < std::min(len, (i + 1) * kBlock) && !live[i * blocks + j]; ++r) {
-        const __m512i m = _mm512_maskz_loadu_epi8(cols, mask + r * mask_ld + j * kBlock);
-        live[i * blocks + j] = _mm512_test_epi8_mask(m, m) != 0;
-      }
+  live.resize(blocks * blocks);
+  for (int64_t i = 0; i < blocks; ++i)
+    for (int64_t j = 0; j < blocks; ++j) live[i * blocks + j] = live_block(i, j, len, causal, mask, mask_ld);
+}
+
+// the boolean mask of a call: its data and strides over (sequence, head, query), 0 where broadcast
+struct Mask {
+  const bool* p = nullptr;
+  int64_t s0 = 0, s1 = 0, s2 = 0;
+  const bool* head(int64_t b, int64_t h) const { return p != nullptr ? p + b * s0 + h * s1 : nullptr; }
+};
+
+// q [B, H, L, D], k and v [B, H / g, L, D] bf16, and the optional boolean mask, checked; the mask's view
+Mask check_attention(const char* op, std::initializer_list<const at::Tensor*> rows, const at::Tensor& q,
+                     const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask) {
+  for (const at::Tensor* t : rows) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->scalar_type() == at::kBFloat16 && t->stride(3) == 1, op,
+                ": bf16 [B, H, L, D] CPU tensors, D contiguous");
+  }
+  const int64_t nb = q.size(0), h = q.size(1), len = q.size(2), d = q.size(3);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == nb && k.size(2) == len && k.size(3) == d && h % k.size(1) == 0,
+              op, ": q [B, H, L, D], k and v [B, H / g, L, D], as many keys as queries");
+  TORCH_CHECK(d % 32 == 0 && d <= 256, op, ": head_dim a multiple of 32, at most 256");
+  Mask view;
+  if (mask.has_value()) {
+    const at::Tensor& m = *mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(2) == len && m.size(3) == len &&
+                    m.stride(3) == 1 && (m.size(0) == 1 || m.size(0) == nb) && (m.size(1) == 1 || m.size(1) == h),
+                op, ": a boolean mask [B or 1, H or 1, L, L], the last dimension contiguous");
+    view = {m.data_ptr<bool>(), m.size(0) == 1 ? 0 : m.stride(0), m.size(1) == 1 ? 0 : m.stride(1), m.stride(2)};
+  }
+  return view;
+}
+
+// rows [r0, r0 + 64) of (sequence, head) view x packed as a 64 x d brgemm B (VNNI, in 64-column slices: oneDNN packs B
+// at most 64 columns wide) at `kn`, and transposed as a d x 64 one at `kt` (where kt is not null)
+void pack_keys(Rows x, int64_t r0, int64_t len, int64_t d, BF16* kn, BF16* kt, BF16* tmp, BF16* tmp_t) {
+  block_rows(x, r0, len, d, tmp);
+  if (kn != nullptr) {
+    for (int64_t n = 0; n < d; n += kBlock) {
+      const int64_t w = std::min(kBlock, d - n);
+      for (int64_t r = 0; r < kBlock; ++r) std::memcpy(tmp_t + r * w, tmp + r * d + n, w * sizeof(BF16));
+      pack(tmp_t, kBlock, w, kn + kBlock * n);
     }
+  }
+  if (kt != nullptr) {
+    transpose(tmp, kBlock, d, tmp_t);
+    pack(tmp_t, d, kBlock, kt);
+  }
+}
+
+// one 64 x 64 block of the forward's online softmax: each query row's running max m and sum l over the keys so far
+// updated and its accumulated output rescaled to the new max; P = exp(S scale - m) where allowed, row-major bf16 (the A
+// of P V). The sum adds P before its rounding, as torch's CPU flash forward does. A block that every query attends
+// whole (below the causal diagonal, unmasked, inside the row) skips the per-lane mask.
+void online_softmax_block(float* s, int64_t i0, int64_t j0, int64_t len, bool causal, const bool* mask,
+                          int64_t mask_ld, float scale, float* m, float* l, float* acc, int64_t d, BF16* p) {
+  constexpr int64_t kVecs = kBlock / 16;
+  const bool whole = mask == nullptr && (!causal || j0 + kBlock <= i0 + 1) && std::max(i0, j0) + kBlock <= len;
+  alignas(64) __mmask16 ok[kBlock][kVecs];
+  alignas(64) float block_max[kBlock], alpha[kBlock];
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < kBlock; ++r) {  // S scale in place, its row maxima over the allowed keys
+    const int64_t qi = i0 + r;
+    const bool* row = mask != nullptr && qi < len ? mask + qi * mask_ld : nullptr;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < kVecs; ++c) {
+      ok[r][c] = whole ? 0xffff : allowed(qi, j0 + 16 * c, len, causal, row);
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + r * kBlock + 16 * c), sc);
+      _mm512_storeu_ps(s + r * kBlock + 16 * c, x);
+      mx = _mm512_mask_max_ps(mx, ok[r][c], mx, x);
+    }
+    block_max[r] = _mm512_reduce_max_ps(mx);
+  }
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  for (int64_t r = 0; r < kBlock; r += 16) {  // new maxima and the factors rescaling the rows so far, 16 rows at once
+    const __m512 old = _mm512_loadu_ps(m + r), now = _mm512_max_ps(old, _mm512_loadu_ps(block_max + r));
+    const __mmask16 seen = _mm512_cmp_ps_mask(now, none, _CMP_NEQ_OQ);  // rows with a key attended so far
+    const __m512 a = _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.f), exp16(_mm512_maskz_sub_ps(seen, old, now)));
+    _mm512_storeu_ps(m + r, now);
+    _mm512_storeu_ps(alpha + r, a);
+    _mm512_storeu_ps(l + r, _mm512_mul_ps(_mm512_loadu_ps(l + r), a));
+  }
+  for (int64_t r = 0; r < kBlock; ++r) {
+    if (alpha[r] != 1.f) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(acc + r * d + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + c), a));
+    }
+    const __m512 mr = _mm512_set1_ps(m[r]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c = 0; c < kVecs; ++c) {
+      const __m512 pv = _mm512_maskz_mov_ps(ok[r][c], exp16(_mm512_sub_ps(_mm512_loadu_ps(s + r * kBlock + 16 * c), mr)));
+      sum = _mm512_add_ps(sum, pv);
+      store16(p + r * kBlock + 16 * c, pv);
+    }
+    l[r] += _mm512_reduce_add_ps(sum);
   }
 }
 
@@ -1539,36 +1637,15 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout, const at::Ten
                                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                            bool causal, const c10::optional<at::Tensor>& mask, double scale_) {
   using namespace attention_grad;
-  for (const at::Tensor* t : {&dout, &q, &k, &v, &out}) {
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->scalar_type() == at::kBFloat16 && t->stride(3) == 1,
-                "attention_backward: bf16 [B, H, L, D] CPU tensors, D contiguous");
-  }
+  const Mask mk = check_attention("attention_backward", {&dout, &q, &k, &v, &out}, q, k, v, mask);
   const int64_t nb = q.size(0), h = q.size(1), len = q.size(2), d = q.size(3), hk = k.size(1);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == nb && k.size(2) == len && k.size(3) == d && h % hk == 0 &&
-                  dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-              "attention_backward: q [B, H, L, D], k and v [B, H / g, L, D], as many keys as queries");
-  TORCH_CHECK(d % 32 == 0 && d <= 256, "attention_backward: head_dim a multiple of 32, at most 256");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "attention_backward: d out and out shaped as q");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == nb && lse.size(1) == h &&
                   lse.size(2) == len, "attention_backward: fp32 logsumexp [B, H, L]");
-  const bool* mp = nullptr;
-  int64_t m0 = 0, m1 = 0, m2 = 0;
-  if (mask.has_value()) {
-    const at::Tensor& m = *mask;
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(2) == len && m.size(3) == len &&
-                    m.stride(3) == 1 && (m.size(0) == 1 || m.size(0) == nb) && (m.size(1) == 1 || m.size(1) == h),
-                "attention_backward: a boolean mask [B or 1, H or 1, L, L], the last dimension contiguous");
-    mp = m.data_ptr<bool>();
-    m0 = m.size(0) == 1 ? 0 : m.stride(0);
-    m1 = m.size(1) == 1 ? 0 : m.stride(1);
-    m2 = m.stride(2);
-  }
   const int64_t group = h / hk, blocks = (len + kBlock - 1) / kBlock, padded = blocks * kBlock, sq = kBlock * d;
   const float scale = static_cast<float>(scale_);
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   const float* lp = lse.data_ptr<float>();
-  auto view = [](const at::Tensor& t, int64_t b, int64_t hh) {
-    return Rows{t.data_ptr<BF16>() + b * t.stride(0) + hh * t.stride(1), t.stride(2)};
-  };
   // one task per (sequence, kv head): its group of query heads accumulate dk and dv in fp32, unshared
   at::parallel_for(0, nb * hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<BF16> k_vnni(padded * d), kt_vnni(padded * d), vt_vnni(padded * d), qb(padded * d), qt(padded * d),
@@ -1580,17 +1657,8 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout, const at::Ten
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / hk, g = t % hk;
       for (int64_t j = 0; j < blocks; ++j) {  // k and v, packed once for the group: k as dq's B, k^T and v^T as S's and dP's
-        block_rows(view(k, b, g), j * kBlock, len, d, tmp.data());
-        for (int64_t n = 0; n < d; n += kBlock) {  // oneDNN packs B at most 64 columns wide
-          const int64_t w = std::min(kBlock, d - n);
-          for (int64_t r = 0; r < kBlock; ++r) std::memcpy(tmp_t.data() + r * w, tmp.data() + r * d + n, w * sizeof(BF16));
-          pack(tmp_t.data(), kBlock, w, k_vnni.data() + j * sq + kBlock * n);
-        }
-        transpose(tmp.data(), kBlock, d, tmp_t.data());
-        pack(tmp_t.data(), d, kBlock, kt_vnni.data() + j * sq);
-        block_rows(view(v, b, g), j * kBlock, len, d, tmp.data());
-        transpose(tmp.data(), kBlock, d, tmp_t.data());
-        pack(tmp_t.data(), d, kBlock, vt_vnni.data() + j * sq);
+        pack_keys(view(k, b, g), j * kBlock, len, d, k_vnni.data() + j * sq, kt_vnni.data() + j * sq, tmp.data(), tmp_t.data());
+        pack_keys(view(v, b, g), j * kBlock, len, d, nullptr, vt_vnni.data() + j * sq, tmp.data(), tmp_t.data());
       }
       std::fill(dkt.begin(), dkt.end(), 0.f);
       std::fill(dvt.begin(), dvt.end(), 0.f);
@@ -1609,14 +1677,14 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout, const at::Ten
           lrow[r] = lp[b * lse.stride(0) + hh * lse.stride(1) + r * lse.stride(2)];
         }
         std::fill(dqa.begin(), dqa.end(), 0.f);
-        const bool* mh = mp != nullptr ? mp + b * m0 + hh * m1 : nullptr;
-        if (hh == g * group || m1 != 0) live_blocks(len, causal || mh == nullptr, mh, m2, live);
+        const bool* mh = mk.head(b, hh);
+        if (hh == g * group || mk.s1 != 0) live_blocks(len, causal || mh == nullptr, mh, mk.s2, live);
         for (int64_t i = 0; i < blocks; ++i) {
           for (int64_t j = 0; j < blocks; ++j) {
             if (!live[i * blocks + j]) continue;
             cpublas::brgemm(kBlock, kBlock, d, d, kBlock, kBlock, false, qb.data() + i * sq, kt_vnni.data() + j * sq, s);
             cpublas::brgemm(kBlock, kBlock, d, d, kBlock, kBlock, false, gb.data() + i * sq, vt_vnni.data() + j * sq, dp);
-            softmax_grad_block(s, dp, i * kBlock, j * kBlock, len, causal, mh, m2, scale, lrow.data(), delta.data(),
+            softmax_grad_block(s, dp, i * kBlock, j * kBlock, len, causal, mh, mk.s2, scale, lrow.data(), delta.data(),
                                p_vnni, ds_vnni, ds);
             cpublas::brgemm(d, kBlock, kBlock, kBlock, kBlock, kBlock, true, gt.data() + i * sq, p_vnni, dvt.data() + j * sq);
             cpublas::brgemm(d, kBlock, kBlock, kBlock, kBlock, kBlock, true, qt.data() + i * sq, ds_vnni, dkt.data() + j * sq);
@@ -1640,6 +1708,63 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout, const at::Ten
     cpublas::brgemm_release();
   });
   return {dq, dk, dv};
+}
+
+std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                                          const c10::optional<at::Tensor>& mask, double scale_) {
+  using namespace attention_grad;
+  const Mask mk = check_attention("attention_forward", {&q, &k, &v}, q, k, v, mask);
+  const int64_t nb = q.size(0), h = q.size(1), len = q.size(2), d = q.size(3), hk = k.size(1);
+  const int64_t group = h / hk, blocks = (len + kBlock - 1) / kBlock, padded = blocks * kBlock, sq = kBlock * d;
+  const float scale = static_cast<float>(scale_);
+  // [B, H, L, D] over [B, L, H, D] memory: the layout the attention's output projection reads, with no copy
+  auto out = at::empty({nb, len, h, d}, q.options()).permute({0, 2, 1, 3});
+  auto lse = at::empty({nb, h, len}, q.options().dtype(at::kFloat));
+  // k^T (S's B) and v (P V's B) of every (sequence, kv head), packed once
+  std::vector<BF16> kt_vnni(nb * hk * padded * d), v_vnni(nb * hk * padded * d);
+  at::parallel_for(0, nb * hk * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<BF16> tmp(sq), tmp_t(sq);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / (hk * blocks), g = t / blocks % hk, j = t % blocks, at = t * sq;
+      pack_keys(view(k, b, g), j * kBlock, len, d, nullptr, kt_vnni.data() + at, tmp.data(), tmp_t.data());
+      pack_keys(view(v, b, g), j * kBlock, len, d, v_vnni.data() + at, nullptr, tmp.data(), tmp_t.data());
+    }
+  });
+  // one task per (sequence, head, block of 64 queries): queries attend independently
+  at::parallel_for(0, nb * h * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<BF16> qb(sq);
+    std::vector<float> acc(sq);
+    alignas(64) float s[kBlock * kBlock], m[kBlock], l[kBlock];
+    alignas(64) BF16 p[kBlock * kBlock];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / (h * blocks), hh = t / blocks % h, i = t % blocks, g = hh / group;
+      const BF16* kt = kt_vnni.data() + (b * hk + g) * padded * d;
+      const BF16* vn = v_vnni.data() + (b * hk + g) * padded * d;
+      const bool* mh = mk.head(b, hh);
+      block_rows(view(q, b, hh), i * kBlock, len, d, qb.data());
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m, m + kBlock, -INFINITY);
+      std::fill(l, l + kBlock, 0.f);
+      for (int64_t j = 0; j < blocks; ++j) {
+        if (!live_block(i, j, len, causal || mh == nullptr, mh, mk.s2)) continue;
+        cpublas::brgemm(kBlock, kBlock, d, d, kBlock, kBlock, false, qb.data(), kt + j * sq, s);
+        online_softmax_block(s, i * kBlock, j * kBlock, len, causal, mh, mk.s2, scale, m, l, acc.data(), d, p);
+        for (int64_t n = 0; n < d; n += kBlock) {
+          const int64_t w = std::min(kBlock, d - n);
+          cpublas::brgemm(kBlock, w, kBlock, kBlock, w, d, true, p, vn + j * sq + kBlock * n, acc.data() + n);
+        }
+      }
+      BF16* op = out.data_ptr<BF16>() + b * out.stride(0) + hh * out.stride(1);
+      float* lp = lse.data_ptr<float>() + (b * h + hh) * len;
+      for (int64_t r = 0; r < std::min(kBlock, len - i * kBlock); ++r) {  // a row with no key attended: 0, lse -inf
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t c = 0; c < d; c += 16) store16(op + (i * kBlock + r) * out.stride(2) + c, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * d + c), _mm512_set1_ps(inv)));
+        lp[i * kBlock + r] = l[r] > 0.f ? m[r] + std::log(l[r]) : -INFINITY;
+      }
+    }
+    cpublas::brgemm_release();
+  });
+  return {out, lse};
 }
 
 // whether attention_backward's brgemm runs here: oneDNN packs bf16 for it on this CPU
@@ -1678,6 +1803,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_backward_", &head_backward_, "the learner head's d logp / d logits, in place over the logits");
 #endif
 #ifdef QURL_ATTENTION_BACKWARD
+  m.def("attention_forward", &attention_forward, "out and logsumexp of causal or masked bf16 SDPA, grouped k and v");
   m.def("attention_backward", &attention_backward, "dq, dk, dv of causal or masked bf16 SDPA from out and logsumexp");
   m.def("attention_backward_ready", &attention_backward_ready, "whether oneDNN's bf16 brgemm runs on this CPU");
 #endif
