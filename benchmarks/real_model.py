@@ -29,13 +29,16 @@ Parts (all by default, or a subset with --parts):
   PolicyStep, the gym recipe's settings), at the micro part's batch shape (bucketed micro-batches) and at the gym
   recipe's (packed, as it trains): torch.profiler's self CPU time grouped by kind (matmuls, attention, the log-softmax
   head, the optimizer, the rest), after two warm-up steps.
-- fused: the learner step (in --precision, one gloo rank in this process) with learner/fused.py's RMSNorm and SwiGLU
-  against transformers' own modules, at the gym recipe's shape (packed) and the micro part's (bucketed): both policies
-  built side by side, their steps alternating for --rounds after a warm-up round; medians and their ratio.
+- fused: the learner step (in --precision, one gloo rank in this process) with learner/fused.py's RMSNorm, SwiGLU
+  and rotary embedding against transformers' own modules, at the gym recipe's shape (packed) and the micro part's
+  (bucketed): both policies built side by side, their steps alternating for --rounds after a warm-up round; medians
+  and their ratio.
 - attention: the same as fused for learner/attention.py's compiled attention against torch's flash attention (both
   learners fused); and single forward and backward calls (ATTENTION_CALLS: SmolLM2's heads on the micro part's longest
   bucket and on its groups packed by learner/packing.py, Qwen2.5-7B's heads), the compiled against torch's flash
   attention, the backward from the same forward, alternating for --rounds, medians.
+- rotary: the same as fused for learner/fused.py's rotary embedding (its attention forward) against transformers' own
+  attention forward (both learners otherwise fused).
 - linear: the learner step with learner/linear.py's weight gradients (dy transposed first) against torch's, one policy
   stepping in turns under each: SmolLM2 gym (packed) and micro (bucketed), and two of Qwen2.5-7B's decoder layers.
 - layer: decoder layers of Qwen2.5-7B (hidden 3584, 28 heads; random weights, a vocabulary of 8,192) on the micro
@@ -45,8 +48,8 @@ Parts (all by default, or a subset with --parts):
 - sync: int8 codes changed per push and delta / full push bytes per engine dtype after AdamW steps at the
   recipe's learning rate (or --sync-lr), s = 1 and 1.5 (benchmarks/sync.py's run on GSM text).
 
-    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,packed,profile,fused,attention,linear,
-        layer,sync] [--threads 2] [--sync-lr LR] [--precision auto|fp32|bf16] [--rounds N] [--out FILE]
+    python benchmarks/real_model.py [--parts mismatch,decode,learner,micro,packed,profile,fused,attention,rotary,
+        linear,layer,sync] [--threads 2] [--sync-lr LR] [--precision auto|fp32|bf16] [--rounds N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import OWN, QWEN25_7B, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
-from learner import attention, linear  # noqa: E402
+from learner import attention, fused, linear  # noqa: E402
 from learner.batch import Batch  # noqa: E402
 from learner.main import keep_freed_memory  # noqa: E402
 from learner.model import bf16_training  # noqa: E402
@@ -81,14 +84,15 @@ from qurl.real.prepare import MODEL_DIR, default_root, read_info  # noqa: E402
 from rollout_server.engines import GenRequest, load_engine  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the learner's train.precision -> its matmul dtype
-PARTS = ("mismatch", "decode", "learner", "micro", "packed", "profile", "fused", "attention", "linear", "layer", "sync")
+PARTS = tuple("mismatch decode learner micro packed profile fused attention rotary linear layer sync".split())
 # prompts, samples, prompt tokens, response tokens (a range: drawn per prompt / per sample)
 MICRO_WORKLOAD = (2, 8, (190, 260), (16, 256))  # the pipeline benchmark's rollout-shaped batches
 GYM_WORKLOAD = (8, 8, (35, 50), (8, 12))  # configs/smollm2-gym-cpu.yaml: 8 x 8 samples, ~10-token answers
 # the side-by-side parts: each learner's name and which of learner/model.py's CPU swaps it makes (SWAPS), shipped first
 SIDE_BY_SIDE = {
-    "fused": {"fused": ("fuse", "attention"), "torch": ("attention",)},  # learner/fused.py's norms and MLPs or not
-    "attention": {"compiled": ("fuse", "attention"), "flash": ("fuse",)},  # learner/attention.py's or torch's
+    "fused": {"fused": ("fuse", "attention", "rotary"), "torch": ("attention",)},  # learner/fused.py's swaps or none
+    "attention": {"compiled": ("fuse", "attention", "rotary"), "flash": ("fuse", "rotary")},  # learner/attention.py's
+    "rotary": {"rotary": ("fuse", "attention", "rotary"), "transformers": ("fuse", "attention")},  # fused.py's rotary
 }
 LAYER_SHAPE = dict(QWEN25_7B, vocab_size=8192)  # the layer part: the 7B's decoder layer (its head is §9's figure)
 LAYER_DEPTHS = (0, 2)  # the layer part's two learners: their difference is two decoder layers
@@ -341,7 +345,10 @@ def layer_rows(threads: int, tmp: str, precision: str, rounds: int) -> list[dict
 # torch.profiler op name -> kind, first match wins; everything else is "other" (norms, activations, copies, ...)
 PROFILE_KINDS = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn")),
-    ("attention", ("scaled_dot_product", "flash_attention", "_attentionbackward")),  # learner/attention.py's too
+    (
+        "attention",
+        ("scaled_dot_product", "flash_attention", "_attention"),
+    ),  # learner/attention.py's _Attention(Backward)
     # the chunked head (learner/logprobs.py): logits - logsumexp and its exp over 49,152-wide rows, forward
     # (entropy) and backward; the step's other subs and exps act on small tensors
     ("log-softmax head", ("log_softmax", "logsumexp", "chunkedlogprob", "aten::sub", "aten::exp", "aten::gather")),
@@ -450,8 +457,12 @@ def attention_call_rows(rounds: int) -> list[dict]:
     return rows
 
 
-# learner/model.py's CPU swaps, each as the call a learner without it has stubbed out
-SWAPS = {"fuse": ("fuse", lambda m: 0), "attention": ("attention.install", lambda m: False)}
+# learner/model.py's CPU swaps, each as what a learner without it has stubbed out (rotary: FUSED less the attentions)
+SWAPS = {
+    "fuse": ("learner.model.fuse", lambda m: 0),
+    "attention": ("learner.model.attention.install", lambda m: False),
+    "rotary": ("learner.fused.FUSED", {k: v for k, v in fused.FUSED.items() if v[1] is not fused.attention_forward}),
+}
 
 
 def policy_step(model: str, precision: str, micro_batches: str, swaps: tuple[str, ...] = tuple(SWAPS)):
@@ -477,7 +488,7 @@ def policy_step(model: str, precision: str, micro_batches: str, swaps: tuple[str
     with contextlib.ExitStack() as stack:
         for name, (call, stub) in SWAPS.items():
             if name not in swaps:
-                stack.enter_context(mock.patch(f"learner.model.{call}", stub))
+                stack.enter_context(mock.patch(call, stub))
         policy = policy_model.build_policy(cfg, torch.device("cpu"))
     return PolicyStep(policy, None, cfg.train, cfg.algo, cfg.rollout.sampling, DistEnv(0, 1, 0, torch.device("cpu")))
 

@@ -1,11 +1,13 @@
-"""The learner's decoder layers on CPU with fused operators, as a module swap: RMSNorm's and SwiGLU's forward and
-backward in one pass each (qurl/csrc), gate and up projected by one GEMM. At the learner's shapes each torch chain
-(RMSNorm: eight operators forward and ten backward over fp32 copies; SiLU x up: five) wrote and read fresh
-activation-sized tensors, which cost more than the arithmetic (RESULTS §13).
+"""The learner's decoder layers on CPU with fused operators, as a module swap: RMSNorm's, SwiGLU's and the rotary
+embedding's forward and backward in one pass each (qurl/csrc), gate and up projected by one GEMM. At the learner's
+shapes each torch chain (RMSNorm: eight operators forward and ten backward over fp32 copies; SiLU x up: five; rotary:
+six over q and k, with a concatenation) wrote and read fresh activation-sized tensors, which cost more than the
+arithmetic (RESULTS §13).
 
-The same parameters and the same values: RMSNorm's forward bit for bit, SwiGLU's and both gradients within the model
-dtype's rounding (tests/test_fused.py). Only the classes registered in FUSED are swapped, the ones whose forward is
-the formula the kernels compute; any other model keeps its own.
+The same parameters and the same values: RMSNorm's forward and the rotary embedding's forward and backward bit for
+bit, SwiGLU's and the other gradients within the model dtype's rounding (tests/test_fused.py). Only the classes
+registered in FUSED are swapped, the ones whose forward is the formula the kernels compute; any other model keeps its
+own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from learner.linear import linear
 from qurl import cpu_kernels
@@ -55,6 +59,21 @@ class _SiluMul(torch.autograd.Function):
         return cpu_kernels.kernels().silu_mul_backward(dh, rows).view(ctx.shape)
 
 
+class _Rotary(torch.autograd.Function):
+    """x cos + rotate_half(x) sin over [B, L, heads, head_dim] rows (HF's rotary embedding), cos and sin [B or 1, L,
+    head_dim] without a gradient (transformers computes them under no_grad)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return cpu_kernels.kernels().rotary(x, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return cpu_kernels.kernels().rotary(dy.contiguous(), cos, sin, True), None, None
+
+
 def rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """HF's RMSNorm forward by the kernels, where they apply (a contiguous input in the weight's dtype)."""
     if not hidden_states.is_contiguous() or hidden_states.dtype != self.weight.dtype:
@@ -68,11 +87,57 @@ def swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(_SiluMul.apply(gate_up))
 
 
+def rotary_fits(x: torch.Tensor, position_embeddings: tuple | None, head_dim: int) -> bool:
+    """Whether the kernel takes these cos and sin for hidden states x: contiguous [B or 1, L, head_dim] in x's dtype,
+    fp32 or bf16."""
+    if position_embeddings is None or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    shape = (x.shape[0], x.shape[1], head_dim)
+    return all(
+        t.dtype == x.dtype
+        and t.is_contiguous()
+        and t.dim() == 3
+        and t.shape[0] in (1, x.shape[0])
+        and t.shape[1:] == shape[1:]
+        for t in position_embeddings
+    )
+
+
+def attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """HF's Llama / Qwen2 attention forward with q and k rotated by the kernels in their projections' [B, L, heads,
+    head_dim] rows; a call with a cache, or cos and sin the kernel does not take, runs the class's own forward."""
+    cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+    if cached or not rotary_fits(hidden_states, position_embeddings, self.head_dim):
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+    cos, sin = position_embeddings
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    query = _Rotary.apply(self.q_proj(hidden_states).view(shape), cos, sin).transpose(1, 2)
+    key = _Rotary.apply(self.k_proj(hidden_states).view(shape), cos, sin).transpose(1, 2)
+    value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+    if hasattr(self, "sliding_window"):  # Qwen2's one difference from Llama
+        kwargs["sliding_window"] = self.sliding_window
+    dropout = 0.0 if not self.training else self.attention_dropout
+    out, weights = interface(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs)
+    return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
 def swiglu_applies(mlp: nn.Module) -> bool:
     """A bias-free SiLU MLP: the formula swiglu_forward computes."""
     act = getattr(mlp, "act_fn", None)
     silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"  # transformers' own for "silu"
     return silu and all(getattr(mlp, name).bias is None for name in ("gate_proj", "up_proj"))
+
+
+def rotary_applies(attention: nn.Module) -> bool:
+    """An attention without norms of its own on q and k: the formula attention_forward computes."""
+    return not hasattr(attention, "q_norm") and not hasattr(attention, "k_norm")
 
 
 def rms_norm_applies(norm: nn.Module) -> bool:
@@ -87,6 +152,7 @@ FUSED: dict[str, tuple[Callable[[nn.Module], bool], Callable]] = {
         for name in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
     },
     **{name: (swiglu_applies, swiglu_forward) for name in ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")},
+    **{name: (rotary_applies, attention_forward) for name in ("LlamaAttention", "Qwen2Attention")},
 }
 
 

@@ -1,7 +1,7 @@
 """The CPU kernels both processes use (csrc/decode_cpu.cpp). The torch engine's: RMSNorm, per-token int8 quantization,
 SiLU x up, rotary with the cache write, decode attention, the temperature draw (sampling.py), an int8 linear by oneDNN's
 GEMM in one call (quantize, GEMM, dequantize), and an int8 GEMM for decode batches (AMX tiles, AVX-512 VNNI or AVX2).
-The learner's: the log-prob head's forward and backward (learner/logprobs.py), RMSNorm's and SwiGLU's
+The learner's: the log-prob head's forward and backward (learner/logprobs.py), RMSNorm's, SwiGLU's and rotary's
 (learner/fused.py), attention's forward and backward (learner/attention.py), a transpose for weight gradients
 (learner/linear.py), and the per-row int8 quantization of a weight push (qurl/quant/absmax.py). One compiled module,
 built once per CPU kind.

@@ -1,12 +1,13 @@
-"""learner/fused.py: the fused RMSNorm and SwiGLU against transformers' own modules, values and gradients."""
+"""learner/fused.py: the fused RMSNorm, SwiGLU and rotary embedding against transformers' own modules, values and
+gradients."""
 
 from copy import deepcopy
 
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
 from learner import fused
 from learner.model import load_hf
@@ -99,7 +100,7 @@ def test_fuse_swaps_only_the_registered_formulas():
     model = LlamaForCausalLM(cfg)
     reference = LlamaForCausalLM(cfg)
     reference.load_state_dict(model.state_dict())
-    assert fused.fuse(model) == 2 * 3 + 1  # two norms and an MLP per layer, and the final norm
+    assert fused.fuse(model) == 2 * 4 + 1  # two norms, an attention and an MLP per layer, and the final norm
     biased = LlamaMLP(LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, mlp_bias=True))
     assert fused.fuse(biased) == 0  # a biased MLP is not the formula
     gelu = LlamaMLP(LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, hidden_act="gelu"))
@@ -130,8 +131,65 @@ def test_the_learners_model_keeps_the_fused_forwards_through_train_and_eval(tmp_
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=97)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     model = load_hf(str(tmp_path), torch.device("cpu"))
-    assert fused.fuse(model) == 2 + 1 + 1
+    assert fused.fuse(model) == 2 + 1 + 1 + 1
     model.eval()
     model.train()
     swapped_now = [m for m in model.modules() if "forward" in m.__dict__]
-    assert len(swapped_now) == 4
+    assert len(swapped_now) == 5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch_cos, head_dim", [(True, 64), (False, 128), (True, 40)])  # 40: a scalar tail
+def test_rotary_equals_transformers_values_and_gradients_bit_for_bit(dtype, batch_cos, head_dim):
+    """The kernel rounds each product and the sum as torch's chain does, so both directions are exact."""
+    g = torch.Generator().manual_seed(head_dim)
+    b, length, heads = 3, 37, 5
+    x = torch.randn(b, length, heads, head_dim, generator=g).to(dtype)
+    angles = torch.randn(b if batch_cos else 1, length, head_dim // 2, generator=g).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    dy = torch.randn(x.shape, generator=g).to(dtype)
+    mine = x.clone().requires_grad_()
+    got = fused._Rotary.apply(mine, cos, sin)
+    got.backward(dy)
+    theirs = x.clone().transpose(1, 2).requires_grad_()  # HF's [B, heads, L, D] view of the projection's rows
+    want = apply_rotary_pos_emb(theirs, theirs, cos, sin)[0]
+    want.backward(dy.transpose(1, 2))
+    assert torch.equal(got, want.transpose(1, 2))
+    assert torch.equal(mine.grad, theirs.grad.transpose(1, 2))
+
+
+def test_rotary_rejects_what_it_does_not_compute():
+    x, cos = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 8)
+    with pytest.raises(RuntimeError, match="rotary: x a contiguous fp32 or bf16"):
+        cpu_kernels.kernels().rotary(x.half(), cos.half(), cos.half(), False)
+    with pytest.raises(RuntimeError, match="rotary: cos and sin contiguous"):
+        cpu_kernels.kernels().rotary(x, cos[:, :4], cos[:, :4], False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_swapped_attention_equals_transformers_logits_and_gradients(family):
+    """Llama's and Qwen2's (biased q, k, v) attention forward with the kernel's rotary: the same values exactly."""
+    torch.manual_seed(3)
+    kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config, cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    model = cls(config(vocab_size=97, attn_implementation="sdpa", **kw)).to(torch.bfloat16)
+    reference = deepcopy(model)
+    attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    assert len(attentions) == 2 and all(fused.fuse(m) == 1 for m in attentions)
+    rotated = []
+    apply = fused._Rotary.apply
+    fused._Rotary.apply = lambda *a: rotated.append(1) or apply(*a)
+    try:
+        ids = torch.randint(0, 97, (3, 70))
+        got, want = model(ids, use_cache=False).logits, reference(ids, use_cache=False).logits  # as the learner runs
+    finally:
+        fused._Rotary.apply = apply
+    assert len(rotated) == 4  # q and k of each layer
+    assert torch.equal(got, want)
+    got.float().square().mean().backward()
+    want.float().square().mean().backward()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    with torch.no_grad():  # generation with a cache keeps transformers' own forward
+        out = model.generate(ids[:1, :8], max_new_tokens=3, do_sample=False)
+        assert torch.equal(out, reference.generate(ids[:1, :8], max_new_tokens=3, do_sample=False))

@@ -801,6 +801,56 @@ void silu_mul_backward_rows(const T* dh, const T* gu, T* dgu, int64_t rows, int6
   });
 }
 
+// HF's rotary embedding of [B, L, heads, d] rows by cos, sin [B or 1, L, d], rotate_half(x) = [-x2, x1]: y = x cos +
+// rotate_half(x) sin, each product and the sum rounded to the model dtype as torch's chain rounds them. With `grad`,
+// the input's gradient from y's the same way: dx = dy cos + rotate_half^T(dy sin), rotate_half^T(g) = [g2, -g1]. Both
+// halves are one form, o = T(T(a c) + T(sign b s')): forward (b, s', sign) = (x2, s1, -) then (x1, s2, +), backward
+// (dy2, s2, +) then (dy1, s1, -).
+template <typename T>
+void rotary_rows(const T* x, const T* cos, const T* sin, int64_t cos_batch, T* y, int64_t b, int64_t len,
+                 int64_t heads, int64_t d, bool grad) {
+  const int64_t half = d / 2;
+  const float sign = grad ? 1.f : -1.f;  // the first half's partner term's sign; the second's is its opposite
+  at::parallel_for(0, b * len, grain(3 * heads * d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + (t / len) * cos_batch + (t % len) * d;
+      const T* s1 = sin + (t / len) * cos_batch + (t % len) * d + (grad ? half : 0);  // the first half's sine
+      const T* s2 = sin + (t / len) * cos_batch + (t % len) * d + (grad ? 0 : half);  // the second half's
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* a = x + (t * heads + h) * d;
+        T* o = y + (t * heads + h) * d;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 neg = _mm512_set1_ps(sign), pos = _mm512_set1_ps(-sign);
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = load16(a + i), x2 = load16(a + half + i);
+          const __m512 p1 = round16(_mm512_mul_ps(_mm512_mul_ps(x2, neg), load16(s1 + i)), T());
+          const __m512 p2 = round16(_mm512_mul_ps(_mm512_mul_ps(x1, pos), load16(s2 + i)), T());
+          store16(o + i, _mm512_add_ps(round16(_mm512_mul_ps(x1, load16(c + i)), T()), p1));
+          store16(o + half + i, _mm512_add_ps(round16(_mm512_mul_ps(x2, load16(c + half + i)), T()), p2));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 neg = _mm256_set1_ps(sign), pos = _mm256_set1_ps(-sign);
+        for (; i + 8 <= half; i += 8) {
+          const __m256 x1 = load8(a + i), x2 = load8(a + half + i);
+          const __m256 p1 = round8(_mm256_mul_ps(_mm256_mul_ps(x2, neg), load8(s1 + i)), T());
+          const __m256 p2 = round8(_mm256_mul_ps(_mm256_mul_ps(x1, pos), load8(s2 + i)), T());
+          store8(o + i, _mm256_add_ps(round8(_mm256_mul_ps(x1, load8(c + i)), T()), p1));
+          store8(o + half + i, _mm256_add_ps(round8(_mm256_mul_ps(x2, load8(c + half + i)), T()), p2));
+        }
+#endif
+        for (; i < half; ++i) {
+          const float x1 = load(a, i), x2 = load(a, half + i);
+          const float p1 = static_cast<float>(store<T>(sign * x2 * load(s1, i)));
+          const float p2 = static_cast<float>(store<T>(-sign * x1 * load(s2, i)));
+          o[i] = store<T>(static_cast<float>(store<T>(x1 * load(c, i))) + p1);
+          o[half + i] = store<T>(static_cast<float>(store<T>(x2 * load(c, half + i))) + p2);
+        }
+      }
+    }
+  });
+}
+
 // the learner's RMSNorm backward (rms_norm_rows forward): r = rsqrt(mean(x^2) + eps), n = T(x r), y = w n. With
 // dn = T(dy w), as autograd forms it in the model dtype: dx = T(r dn - x r^3 sum(dn x) / k), and dw = the sum over
 // rows of dy n, in fp32 (one partial per thread in dw_part, added by the caller) where autograd rounds each product
@@ -1209,6 +1259,27 @@ at::Tensor silu_mul_backward(const at::Tensor& dh, const at::Tensor& gu) {
                            dgu.data_ptr<c10::BFloat16>(), gu.size(0), dh.size(1));
   }
   return dgu;
+}
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool grad) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 4 && x.is_contiguous() && x.size(3) % 2 == 0 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "rotary: x a contiguous fp32 or bf16 [B, L, heads, head_dim] CPU tensor, head_dim even");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(1) == x.size(1) && cos.size(2) == x.size(3) &&
+                  (cos.size(0) == 1 || cos.size(0) == x.size(0)) && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary: cos and sin contiguous [B or 1, L, head_dim] in x's dtype");
+  auto y = at::empty_like(x);
+  const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0);
+  if (x.scalar_type() == at::kFloat) {
+    rotary_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cb, y.data_ptr<float>(), x.size(0),
+                x.size(1), x.size(2), x.size(3), grad);
+  } else {
+    using BF16 = c10::BFloat16;
+    rotary_rows(x.data_ptr<BF16>(), cos.data_ptr<BF16>(), sin.data_ptr<BF16>(), cb, y.data_ptr<BF16>(), x.size(0),
+                x.size(1), x.size(2), x.size(3), grad);
+  }
+  return y;
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
@@ -1786,6 +1857,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "up * silu(gate) over [gate | up] rows");
   m.def("silu_mul_backward", &silu_mul_backward, "[d gate | d up] of silu_mul from d out");
   m.def("transposed", &transposed, "x^T as a contiguous copy, over tiles, in parallel");
+  m.def("rotary", &rotary, "HF's rotary embedding of [B, L, heads, head_dim] rows, or its input gradient");
   m.def("rms_norm_backward", &rms_norm_backward, "d x and d weight of HF RMSNorm");
   m.def("changed_indices", &changed_indices, "flat indices of the elements whose bit patterns differ");
   m.def("int8_linear", &int8_linear, "an int8 linear by oneDNN's prepacked GEMM: quantize, GEMM, dequantize (+ bias)");
