@@ -51,7 +51,7 @@ CURVE_KEYS = (
     "sync/seconds",
     "servers/engine_ms",
     "rollout/response_len_mean",
-    "rollout/tokens",
+    "actor/tokens",
     "perf/cores_lent_frac",
 )
 EVAL_KEYS = ("eval/acc_fp", "eval/acc_quant")

@@ -15,7 +15,8 @@ run's wall time instead (process start, evaluation at start and end, checkpoint,
 rollout_share = wait / wall: the share of the learner's wall time spent waiting for rollout (in async mode
 generation also overlaps the update, so this is the part that did not overlap); push_share =
 sync/seconds / wall (gather, quantize, hand to ZeroMQ); train_share is the rest. engine_s_per_step is the
-rollout server's own time inside engine.step() (its engine_ms counter) per learner step. In sync mode the
+rollout server's own time inside engine.step() (its engine_ms counter) per learner step; tokens_per_hour counts the
+response tokens trained (actor/tokens) over the same wall. In sync mode the
 two processes take turns on the cores, so wait_s is the rollout alone (weight load, generation, scoring,
 transfer): ratios.rollout_speedup compares it, and engine_s_per_step, across formats with the learner's
 share removed. Ratios are computed between rows of this run. Resumable like ablation.py: delete the runs
@@ -87,7 +88,8 @@ def measure(row: dict, warmup: int) -> dict:
         else None
     )
     lengths = [c["rollout/response_len_mean"][i] for i in keep if c.get("rollout/response_len_mean")]
-    tokens = sum(c["rollout/tokens"][i] or 0 for i in keep) if c.get("rollout/tokens") else 0
+    # trained response tokens: what the servers sent arrives in bursts that straddle steps under staleness
+    tokens = sum(c["actor/tokens"][i] or 0 for i in keep) if c.get("actor/tokens") else 0
     per_token = lambda seconds: 1000 * seconds * len(keep) / tokens if tokens and seconds is not None else None  # noqa: E731
     return {
         "measured_steps": len(keep),

@@ -282,6 +282,8 @@ def test_pipeline_quick_on_the_real_workload_times_the_rollout_server(real_dir, 
     for row in result["rows"]:
         assert row["ok"] and row["measured_steps"] == 3 and row["steps_per_hour"] > 0
         assert 0 < row["engine_s_per_step"] and 0 < row["rollout_share"] < 1 and row["response_len_mean"] <= 16
+        # tokens per hour counts the tokens trained: the quick shape's 2 samples a step at their mean length
+        assert row["response_tokens"] == pytest.approx(2 * row["measured_steps"] * row["response_len_mean"])
 
 
 def test_summary_tables_present_results_and_names_missing_ones(tmp_path):
