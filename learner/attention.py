@@ -54,7 +54,7 @@ def ready() -> bool:
 def covers(
     query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, causal: bool, dropout: float, **kwargs
 ) -> bool:
-    """Whether the compiled backward computes this call's gradient (else transformers' SDPA does all of it)."""
+    """Whether the compiled attention computes this call, forward and backward (else transformers' SDPA does)."""
     d = query.shape[-1]
     return (
         query.device.type == "cpu"
@@ -84,7 +84,7 @@ def attention(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: [B, L, H, D] out; the compiled backward where it covers the call."""
+    """transformers' attention interface: [B, L, H, D] out; the compiled attention where it covers the call."""
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not covers(query, key, attention_mask, causal, dropout, **kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
@@ -98,7 +98,7 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks SDPA takes: boolea
 
 
 def install(model: nn.Module) -> bool:
-    """Switch a CPU model on `sdpa` to the compiled backward where this CPU runs it; whether it did."""
+    """Switch a CPU model on `sdpa` to the compiled attention where this CPU runs it; whether it did."""
     if next(model.parameters()).device.type != "cpu" or model.config._attn_implementation != "sdpa" or not ready():
         return False
     model.set_attn_implementation(NAME)

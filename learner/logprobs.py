@@ -233,14 +233,15 @@ def head_logprobs(
 # torch's CPU flash attention splits queries into blocks of 32 below 192 positions (64 from there), where its
 # backward ran 1.2-1.7x slower than the math path's matmuls, forward and backward together (bf16, SmolLM2's 9 / 3
 # heads, 4k tokens per call, AMX Xeon; at 192 and above flash is 1.9-3.6x faster): the gym recipe's packed rows are
-# ~135 positions. With learner/attention.py's compiled backward, flash's forward and that backward are 2.3-3.6x
-# faster than the math path from 64 positions up (same machine), so a model using it keeps it at every length.
+# ~135 positions. With learner/attention.py's compiled backward, flash's forward and that backward were 2.3-3.6x
+# faster than the math path from 64 positions up (same machine; its compiled forward is faster still), so a model
+# using it keeps it at every length.
 MATH_ATTENTION_BELOW = 192
 
 
 def _attention(model: nn.Module, input_ids: torch.Tensor) -> contextlib.AbstractContextManager:
     """The SDPA backend for rows this long: the math path for short rows on CPU, unless the model uses the compiled
-    backward, else torch's own choice. The choice made in forward holds in backward (its autograd graph);
+    attention, else torch's own choice. The choice made in forward holds in backward (its autograd graph);
     activation checkpointing recomputes the forward in backward, outside this context, so a checkpointed model keeps
     torch's choice."""
     compiled = getattr(model.config, "_attn_implementation", None) == attention.NAME

@@ -213,7 +213,7 @@ def test_calls_it_does_not_cover_go_to_sdpa(monkeypatch):
 
 
 def test_packed_rows_train_through_it(monkeypatch):
-    """learner/packing.py's boolean 4D mask reaches the compiled backward, same gradients as SDPA's."""
+    """learner/packing.py's boolean 4D mask reaches the compiled attention, same gradients as SDPA's."""
     assert attention.NAME in ATTENTION
     ids = torch.randint(0, 101, (2, 150), generator=torch.Generator().manual_seed(2))
     mask = packed_mask(2, 150, prompt=30, seed=2)
@@ -236,9 +236,10 @@ def test_install_leaves_other_models_alone():
     assert model.config._attn_implementation == "eager"
 
 
-def test_short_rows_keep_the_compiled_backward(monkeypatch):
+def test_short_rows_keep_the_compiled_attention(monkeypatch):
     """learner/logprobs.py sends rows under MATH_ATTENTION_BELOW positions to SDPA's math path, except on a model
-    using the compiled backward: flash's forward and it were 2.3-3.6x faster than math from 64 positions up."""
+    using the compiled attention: flash's forward and its backward were 2.3-3.6x faster than math from 64 positions
+    up."""
     from learner.logprobs import MATH_ATTENTION_BELOW, token_logprobs
 
     model = tiny_llama()
