@@ -92,13 +92,12 @@ def rotary_fits(x: torch.Tensor, position_embeddings: tuple | None, head_dim: in
     fp32 or bf16."""
     if position_embeddings is None or x.dtype not in (torch.float32, torch.bfloat16):
         return False
-    shape = (x.shape[0], x.shape[1], head_dim)
     return all(
         t.dtype == x.dtype
         and t.is_contiguous()
         and t.dim() == 3
         and t.shape[0] in (1, x.shape[0])
-        and t.shape[1:] == shape[1:]
+        and t.shape[1:] == (x.shape[1], head_dim)
         for t in position_embeddings
     )
 
