@@ -1,9 +1,9 @@
 // CPU kernels for the torch engine's decode step: the operators around the GEMMs, one pass each.
 // Each replaces a chain of small torch ops whose dispatch costs more than their arithmetic at decode shapes
 // (rows = sequences in the batch). Semantics match rollout_server/engines/model.py and qurl/quant/absmax.py.
-// The learner's: its log-prob head (learner/logprobs.py), RMSNorm and SwiGLU forward and backward (learner/fused.py),
-// attention's backward (learner/attention.py), a transpose for its weight gradients (learner/linear.py), a push's int8
-// codes and its delta (qurl/wire/delta.py).
+// The learner's: its log-prob head (learner/logprobs.py), RMSNorm, SwiGLU and the rotary embedding forward and backward
+// (learner/fused.py), attention forward and backward (learner/attention.py), a transpose for its weight gradients
+// (learner/linear.py), a push's int8 codes and its delta (qurl/wire/delta.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -813,9 +813,10 @@ void rotary_rows(const T* x, const T* cos, const T* sin, int64_t cos_batch, T* y
   const float sign = grad ? 1.f : -1.f;  // the first half's partner term's sign; the second's is its opposite
   at::parallel_for(0, b * len, grain(3 * heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos + (t / len) * cos_batch + (t % len) * d;
-      const T* s1 = sin + (t / len) * cos_batch + (t % len) * d + (grad ? half : 0);  // the first half's sine
-      const T* s2 = sin + (t / len) * cos_batch + (t % len) * d + (grad ? 0 : half);  // the second half's
+      const int64_t at = (t / len) * cos_batch + (t % len) * d;  // token t's cos and sin
+      const T* c = cos + at;
+      const T* s1 = sin + at + (grad ? half : 0);  // the first half's sine
+      const T* s2 = sin + at + (grad ? 0 : half);  // the second half's
       for (int64_t h = 0; h < heads; ++h) {
         const T* a = x + (t * heads + h) * d;
         T* o = y + (t * heads + h) * d;
@@ -1497,7 +1498,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // 64 queries x 64 keys whose products run on oneDNN's brgemm (AMX tiles where the CPU has them) and whose softmax
 // (forward: online, as flash attention) and softmax gradient are one pass in registers. Torch's CPU flash backward ran
 // at ~75 GFLOP/s on SmolLM2's GSM-shaped rows, its forward at ~200 (RESULTS §13).
-namespace attention_grad {
+namespace attention_blocks {
 using BF16 = c10::BFloat16;
 namespace cpublas = at::native::cpublas;
 constexpr int64_t kBlock = 64;  // queries and keys per block
@@ -1702,12 +1703,12 @@ void write_rows(const float* a, bool transposed, int64_t d, float scale, int64_t
     for (int64_t c = 0; c < d; c += 16) store16(out + (r0 + r) * ld + c, _mm512_mul_ps(_mm512_loadu_ps(src + c), _mm512_set1_ps(scale)));
   }
 }
-}  // namespace attention_grad
+}  // namespace attention_blocks
 
 std::vector<at::Tensor> attention_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                            bool causal, const c10::optional<at::Tensor>& mask, double scale_) {
-  using namespace attention_grad;
+  using namespace attention_blocks;
   const Mask mk = check_attention("attention_backward", {&dout, &q, &k, &v, &out}, q, k, v, mask);
   const int64_t nb = q.size(0), h = q.size(1), len = q.size(2), d = q.size(3), hk = k.size(1);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "attention_backward: d out and out shaped as q");
@@ -1783,7 +1784,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout, const at::Ten
 
 std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                                           const c10::optional<at::Tensor>& mask, double scale_) {
-  using namespace attention_grad;
+  using namespace attention_blocks;
   const Mask mk = check_attention("attention_forward", {&q, &k, &v}, q, k, v, mask);
   const int64_t nb = q.size(0), h = q.size(1), len = q.size(2), d = q.size(3), hk = k.size(1);
   const int64_t group = h / hk, blocks = (len + kBlock - 1) / kBlock, padded = blocks * kBlock, sq = kBlock * d;
@@ -1838,7 +1839,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
   return {out, lse};
 }
 
-// whether attention_backward's brgemm runs here: oneDNN packs bf16 for it on this CPU
+// whether attention_forward's and attention_backward's brgemm runs here: oneDNN packs bf16 for it on this CPU
 bool attention_backward_ready() { return at::native::cpublas::could_pack(at::kBFloat16); }
 #endif
 
