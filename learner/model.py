@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from learner import attention, linear
@@ -68,6 +68,19 @@ def shard(model: nn.Module, bf16: bool) -> nn.Module:
         fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
     return model
+
+
+def defer_gradient_sync(model: nn.Module, last: bool) -> bool:
+    """Before a micro-batch's backward: on one rank, every micro-batch but a mini-batch's last keeps its layers'
+    unsharded (bf16) parameters and adds its gradients, in fp32, to the unsharded ones, so that the next forward
+    casts no weights again and only the last copies gradients out (SmolLM2 bucketed, 2 micro-batches: ~6% of a
+    step in FSDP's copies). Several ranks reduce every micro-batch: unsharded gradients would cost a whole fp32
+    model each. True when this backward leaves gradients unsynced."""
+    if not isinstance(model, FSDPModule) or dist.get_world_size() > 1:
+        return False
+    model.set_requires_gradient_sync(last)
+    model.set_reshard_after_backward(last)
+    return not last
 
 
 def build_policy(cfg: DictConfig, device: torch.device, trainable: bool = True) -> nn.Module:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from learner.batch import Batch
 from learner.logprobs import token_logprobs
+from learner.model import defer_gradient_sync
 from learner.packing import Packed, pack, packed_logprobs
 from qurl.algorithms import LossSpec, group_advantages, kept_tokens, kl_penalty, overlong_penalty, policy_loss
 from qurl.corrections.compose import pieces
@@ -147,7 +148,7 @@ class PolicyStep:
             tokens = float(totals[i, 0])  # every response token: the KL penalty's denominator
             kept, seqs = (max(v, 1.0) for v in denominators[i].tolist())
             self.optimizer.zero_grad(set_to_none=True)
-            finite, pg_sum, kl_sum = True, 0.0, 0.0
+            finite, pg_sum, kl_sum, unsynced = True, 0.0, 0.0, False
             for j, m in enumerate(mini):
                 logp = self._logprobs(self.model, m, entropy if reuse_prox else None)
                 loss, lm = policy_loss(
@@ -170,7 +171,11 @@ class PolicyStep:
                 dist.all_reduce(check)
                 if not torch.isfinite(check).all():
                     finite = False
+                    if unsynced:  # sync what earlier micro-batches left unsharded, so that zero_grad drops it
+                        defer_gradient_sync(self.model, last=True)
+                        total.backward()
                     break
+                unsynced = defer_gradient_sync(self.model, last=j == len(mini) - 1)
                 (total * self.env.world).backward()  # FSDP averages gradients over ranks; the loss is already global
                 pg_sum, kl_sum = pg_sum + check[0].item(), kl_sum + check[1].item()
                 reducer.add(lm, m.tokens, int(m.mask.any(-1).sum()))

@@ -6,6 +6,7 @@ the forward's own logprobs as the proximal policy, policy_loss, gradient clippin
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -143,6 +144,61 @@ def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo
         # 0 in exact arithmetic) moves its weight by anything up to lr, so the update is compared where it is not
         solid = param.grad.abs() > 1e-6
         torch.testing.assert_close(after[name][solid], param.detach()[solid], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def demo_policy(demo_dir, overrides: list[str]):
+    """The demo recipe's PolicyStep on this rank: plain policy-gradient loss, no KL, micro-batches of 40 tokens."""
+    return one_rank_policy(
+        "demo-cpu.yaml",
+        [
+            f"model.path={os.path.join(demo_dir, 'model')}",
+            f"data.train_files=[{os.path.join(demo_dir, 'train.jsonl')}]",
+            "algo.kl_coef=0",
+            "train.micro_batch_tokens=40",
+            "rollout.sampling.max_new_tokens=14",
+            *overrides,
+        ],
+    )[1]
+
+
+def test_one_rank_accumulates_micro_batches_unsharded_to_the_same_step(gloo_one_rank, demo_dir):
+    """bf16 on one rank: micro-batches before the last keep their unsharded gradients (fp32) and parameters, and the
+    step equals the one that syncs after every micro-batch, bit for bit."""
+    from unittest import mock
+
+    batch = hand_built_batch()
+    grads, params = [], []
+    for defer in (True, False):
+        policy = demo_policy(demo_dir, ["train.precision=bf16"])
+        patch = mock.patch("learner.policy_step.defer_gradient_sync", lambda m, last: False)
+        with contextlib.nullcontext() if defer else patch:
+            result = policy.step(batch, step=0)
+        assert result.updated and result.metrics["actor/micro_batches"] >= 3
+        grads.append({n: p.grad.full_tensor() for n, p in policy.model.named_parameters()})
+        params.append({n: p.full_tensor() for n, p in policy.model.named_parameters()})
+    for name in grads[0]:
+        assert grads[0][name].dtype == torch.float32
+        assert torch.equal(grads[0][name], grads[1][name]), name
+        assert torch.equal(params[0][name], params[1][name]), name
+
+
+def test_a_skipped_update_leaves_no_unsynced_gradient_behind(gloo_one_rank, demo_dir):
+    """A non-finite loss in a later micro-batch skips the update; what the earlier ones accumulated unsharded is
+    dropped with it, so the next step's gradients are those of a fresh policy."""
+    from learner.policy_step import PLANNERS
+
+    batch, poisoned = hand_built_batch(), hand_built_batch()
+    policy = demo_policy(demo_dir, ["train.precision=bf16"])
+    cuts = PLANNERS["padded"](torch.arange(len(batch.rewards)), batch, policy.train_cfg.micro_batch_tokens)
+    assert len(cuts) >= 2
+    poisoned.behav_logp[int(cuts[-1][0])] = float("nan")
+    skipped = policy.step(poisoned, step=0)
+    assert not skipped.updated and skipped.skipped == 1
+    policy.step(batch, step=1)
+    fresh = demo_policy(demo_dir, ["train.precision=bf16"])
+    fresh.step(batch, step=1)
+    for (name, p), q in zip(policy.model.named_parameters(), fresh.model.parameters()):
+        assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), name
 
 
 @pytest.mark.slow  # two SmolLM2 learner steps, 1-3 minutes: the default suite stays under 10 minutes
