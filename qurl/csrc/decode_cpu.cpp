@@ -157,24 +157,29 @@ inline void store16(c10::BFloat16* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
 }
 
-// lane j = the sum of v[j]'s 16 lanes: a transpose-and-add tree, about 3 instructions per vector
-inline __m512 sum16(__m512* v) {
+// lane j = op (add or max) over v[j]'s 16 lanes: a transpose-and-combine tree, about 3 instructions per vector
+template <typename Op>
+inline __m512 across16(const __m512* v, const Op& op) {
   __m512 w[8], x[4];
   for (int j = 0; j < 8; ++j) {
-    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+    w[j] = op(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44), _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
   }
   for (int j = 0; j < 4; ++j) {
-    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+    x[j] = op(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88), _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
   }
-  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
-  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
-  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 t0 = op(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+  const __m512 t1 = op(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+  const __m512 u =
+      op(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
   // lane 4b + j holds v[4j + b]
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, u);
+}
+inline __m512 sum16(const __m512* v) {
+  return across16(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+inline __m512 max16(const __m512* v) {
+  return across16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
 }
 
 constexpr bool kVectorAttention = true;
@@ -860,25 +865,61 @@ void rms_norm_backward_rows(const T* dy, const T* x, const T* w, T* dx, float* d
                             float eps) {
   at::parallel_for(0, rows, grain(4 * k), [&](int64_t begin, int64_t end) {
     float* dw = dw_part + at::get_thread_num() * k;
-    std::vector<float> dn(k);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * k;
       const T* dyr = dy + r * k;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < k; ++i) ss += load(xr, i) * load(xr, i);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(k) + eps);
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < k; ++i) {
-        dn[i] = static_cast<float>(store<T>(load(dyr, i) * load(w, i)));
-        dot += dn[i] * load(xr, i);
-      }
-      const float c = inv * inv * inv * dot / static_cast<float>(k);
       T* dxr = dx + r * k;
-#pragma omp simd
-      for (int64_t i = 0; i < k; ++i) {
-        dxr[i] = store<T>(inv * dn[i] - load(xr, i) * c);
+      // one pass for sum(x^2) and sum(dn x) (neither needs r), a second, from L1, for dx and dw
+      float ss = 0.f, dot = 0.f;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 ss16 = _mm512_setzero_ps(), dot16 = _mm512_setzero_ps();
+      for (; i + 16 <= k; i += 16) {
+        const __m512 xv = load16(xr + i);
+        ss16 = _mm512_add_ps(ss16, _mm512_mul_ps(xv, xv));
+        dot16 = _mm512_add_ps(dot16, _mm512_mul_ps(round16(_mm512_mul_ps(load16(dyr + i), load16(w + i)), T()), xv));
+      }
+      ss = _mm512_reduce_add_ps(ss16);
+      dot = _mm512_reduce_add_ps(dot16);
+#elif defined(__AVX2__) && defined(__FMA__)
+      __m256 ss8 = _mm256_setzero_ps(), dot8 = _mm256_setzero_ps();
+      for (; i + 8 <= k; i += 8) {
+        const __m256 xv = load8(xr + i);
+        ss8 = _mm256_add_ps(ss8, _mm256_mul_ps(xv, xv));
+        dot8 = _mm256_add_ps(dot8, _mm256_mul_ps(round8(_mm256_mul_ps(load8(dyr + i), load8(w + i)), T()), xv));
+      }
+      ss = reduce8(ss8, false);
+      dot = reduce8(dot8, false);
+#endif
+      for (; i < k; ++i) {
+        ss += load(xr, i) * load(xr, i);
+        dot += static_cast<float>(store<T>(load(dyr, i) * load(w, i))) * load(xr, i);
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(k) + eps);
+      const float c = inv * inv * inv * dot / static_cast<float>(k);
+      i = 0;
+#if defined(__AVX512F__)
+      const __m512 inv16 = _mm512_set1_ps(inv), c16 = _mm512_set1_ps(c);
+      for (; i + 16 <= k; i += 16) {
+        const __m512 xv = load16(xr + i), dyv = load16(dyr + i);
+        const __m512 dn = round16(_mm512_mul_ps(dyv, load16(w + i)), T());
+        store16(dxr + i, _mm512_sub_ps(_mm512_mul_ps(inv16, dn), _mm512_mul_ps(xv, c16)));
+        const __m512 n = round16(_mm512_mul_ps(xv, inv16), T());
+        _mm512_storeu_ps(dw + i, _mm512_add_ps(_mm512_loadu_ps(dw + i), _mm512_mul_ps(dyv, n)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 inv8 = _mm256_set1_ps(inv), c8 = _mm256_set1_ps(c);
+      for (; i + 8 <= k; i += 8) {
+        const __m256 xv = load8(xr + i), dyv = load8(dyr + i);
+        const __m256 dn = round8(_mm256_mul_ps(dyv, load8(w + i)), T());
+        store8(dxr + i, _mm256_sub_ps(_mm256_mul_ps(inv8, dn), _mm256_mul_ps(xv, c8)));
+        const __m256 n = round8(_mm256_mul_ps(xv, inv8), T());
+        _mm256_storeu_ps(dw + i, _mm256_add_ps(_mm256_loadu_ps(dw + i), _mm256_mul_ps(dyv, n)));
+      }
+#endif
+      for (; i < k; ++i) {
+        const float dn = static_cast<float>(store<T>(load(dyr, i) * load(w, i)));
+        dxr[i] = store<T>(inv * dn - load(xr, i) * c);
         dw[i] += load(dyr, i) * static_cast<float>(store<T>(load(xr, i) * inv));
       }
     }
@@ -1619,24 +1660,26 @@ void pack_keys(Rows x, int64_t r0, int64_t len, int64_t d, BF16* kn, BF16* kt, B
 // updated and its accumulated output rescaled to the new max; P = exp(S scale - m) where allowed, row-major bf16 (the A
 // of P V). The sum adds P before its rounding, as torch's CPU flash forward does. A block that every query attends
 // whole (below the causal diagonal, unmasked, inside the row) skips the per-lane mask.
-void online_softmax_block(float* s, int64_t i0, int64_t j0, int64_t len, bool causal, const bool* mask,
+void online_softmax_block(const float* s, int64_t i0, int64_t j0, int64_t len, bool causal, const bool* mask,
                           int64_t mask_ld, float scale, float* m, float* l, float* acc, int64_t d, BF16* p) {
   constexpr int64_t kVecs = kBlock / 16;
   const bool whole = mask == nullptr && (!causal || j0 + kBlock <= i0 + 1) && std::max(i0, j0) + kBlock <= len;
   alignas(64) __mmask16 ok[kBlock][kVecs];
   alignas(64) float block_max[kBlock], alpha[kBlock];
+  __m512 part[16];
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < kBlock; ++r) {  // S scale in place, its row maxima over the allowed keys
-    const int64_t qi = i0 + r;
-    const bool* row = mask != nullptr && qi < len ? mask + qi * mask_ld : nullptr;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t c = 0; c < kVecs; ++c) {
-      ok[r][c] = whole ? 0xffff : allowed(qi, j0 + 16 * c, len, causal, row);
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + r * kBlock + 16 * c), sc);
-      _mm512_storeu_ps(s + r * kBlock + 16 * c, x);
-      mx = _mm512_mask_max_ps(mx, ok[r][c], mx, x);
+  for (int64_t r0 = 0; r0 < kBlock; r0 += 16) {  // row maxima of S scale over the allowed keys, 16 rows reduced at once
+    for (int64_t e = 0; e < 16; ++e) {
+      const int64_t r = r0 + e, qi = i0 + r;
+      const bool* row = mask != nullptr && qi < len ? mask + qi * mask_ld : nullptr;
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t c = 0; c < kVecs; ++c) {
+        ok[r][c] = whole ? 0xffff : allowed(qi, j0 + 16 * c, len, causal, row);
+        mx = _mm512_mask_max_ps(mx, ok[r][c], mx, _mm512_loadu_ps(s + r * kBlock + 16 * c));
+      }
+      part[e] = mx;
     }
-    block_max[r] = _mm512_reduce_max_ps(mx);
+    _mm512_storeu_ps(block_max + r0, _mm512_mul_ps(max16(part), sc));  // scale > 0: the max of S scale
   }
   const __m512 none = _mm512_set1_ps(-INFINITY);
   for (int64_t r = 0; r < kBlock; r += 16) {  // new maxima and the factors rescaling the rows so far, 16 rows at once
@@ -1647,19 +1690,24 @@ void online_softmax_block(float* s, int64_t i0, int64_t j0, int64_t len, bool ca
     _mm512_storeu_ps(alpha + r, a);
     _mm512_storeu_ps(l + r, _mm512_mul_ps(_mm512_loadu_ps(l + r), a));
   }
-  for (int64_t r = 0; r < kBlock; ++r) {
-    if (alpha[r] != 1.f) {
-      const __m512 a = _mm512_set1_ps(alpha[r]);
-      for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(acc + r * d + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + c), a));
+  for (int64_t r0 = 0; r0 < kBlock; r0 += 16) {
+    for (int64_t e = 0; e < 16; ++e) {
+      const int64_t r = r0 + e;
+      if (alpha[r] != 1.f) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(acc + r * d + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + c), a));
+      }
+      const __m512 mr = _mm512_set1_ps(m[r]);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < kVecs; ++c) {
+        const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + r * kBlock + 16 * c), sc, mr);
+        const __m512 pv = _mm512_maskz_mov_ps(ok[r][c], exp16(x));
+        sum = _mm512_add_ps(sum, pv);
+        store16(p + r * kBlock + 16 * c, pv);
+      }
+      part[e] = sum;
     }
-    const __m512 mr = _mm512_set1_ps(m[r]);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t c = 0; c < kVecs; ++c) {
-      const __m512 pv = _mm512_maskz_mov_ps(ok[r][c], exp16(_mm512_sub_ps(_mm512_loadu_ps(s + r * kBlock + 16 * c), mr)));
-      sum = _mm512_add_ps(sum, pv);
-      store16(p + r * kBlock + 16 * c, pv);
-    }
-    l[r] += _mm512_reduce_add_ps(sum);
+    _mm512_storeu_ps(l + r0, _mm512_add_ps(_mm512_loadu_ps(l + r0), sum16(part)));
   }
 }
 
