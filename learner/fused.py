@@ -1,8 +1,8 @@
 """The learner's decoder layers on CPU with fused operators, as a module swap: RMSNorm's, SwiGLU's and the rotary
-embedding's forward and backward in one pass each (qurl/csrc), gate and up projected by one GEMM. At the learner's
-shapes each torch chain (RMSNorm: eight operators forward and ten backward over fp32 copies; SiLU x up: five; rotary:
-six over q and k, with a concatenation) wrote and read fresh activation-sized tensors, which cost more than the
-arithmetic (RESULTS §13).
+embedding's forward and backward in one pass each (qurl/csrc), gate and up projected by one GEMM, q, k and v by one.
+At the learner's shapes each torch chain (RMSNorm: eight operators forward and ten backward over fp32 copies; SiLU x
+up: five; rotary: six over q and k, with a concatenation) wrote and read fresh activation-sized tensors, which cost
+more than the arithmetic (RESULTS §13).
 
 The same parameters and the same values: RMSNorm's forward and the rotary embedding's forward and backward bit for
 bit, SwiGLU's and the other gradients within the model dtype's rounding (tests/test_fused.py). Only the classes
@@ -109,16 +109,21 @@ def attention_forward(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """HF's Llama / Qwen2 attention forward with q and k rotated by the kernels in their projections' [B, L, heads,
-    head_dim] rows; a call with a cache, or cos and sin the kernel does not take, runs the class's own forward."""
+    """HF's Llama / Qwen2 attention forward with q, k and v projected by one GEMM (one input gradient, not three
+    summed) and q and k rotated by the kernels in its [B, L, heads, head_dim] rows; a call with a cache, or cos and sin
+    the kernel does not take, runs the class's own forward."""
     cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
     if cached or not rotary_fits(hidden_states, position_embeddings, self.head_dim):
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
     cos, sin = position_embeddings
     shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-    query = _Rotary.apply(self.q_proj(hidden_states).view(shape), cos, sin).transpose(1, 2)
-    key = _Rotary.apply(self.k_proj(hidden_states).view(shape), cos, sin).transpose(1, 2)
-    value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+    projections = (self.q_proj, self.k_proj, self.v_proj)
+    weight = torch.cat([p.weight for p in projections])
+    bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
+    q, k, v = linear(hidden_states, weight, bias).split([p.out_features for p in projections], dim=-1)
+    query = _Rotary.apply(q.view(shape), cos, sin).transpose(1, 2)
+    key = _Rotary.apply(k.view(shape), cos, sin).transpose(1, 2)
+    value = v.view(shape).transpose(1, 2)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
     if hasattr(self, "sliding_window"):  # Qwen2's one difference from Llama
         kwargs["sliding_window"] = self.sliding_window
@@ -135,8 +140,10 @@ def swiglu_applies(mlp: nn.Module) -> bool:
 
 
 def rotary_applies(attention: nn.Module) -> bool:
-    """An attention without norms of its own on q and k: the formula attention_forward computes."""
-    return not hasattr(attention, "q_norm") and not hasattr(attention, "k_norm")
+    """An attention without norms of its own on q and k, and biases on all of q, k and v or none: the formula
+    attention_forward computes."""
+    biased = {getattr(attention, name).bias is not None for name in ("q_proj", "k_proj", "v_proj")}
+    return not hasattr(attention, "q_norm") and not hasattr(attention, "k_norm") and len(biased) == 1
 
 
 def rms_norm_applies(norm: nn.Module) -> bool:

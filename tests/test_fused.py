@@ -159,22 +159,40 @@ def test_rotary_equals_transformers_values_and_gradients_bit_for_bit(dtype, batc
     assert torch.equal(mine.grad, theirs.grad.transpose(1, 2))
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_rotary_reads_q_and_k_inside_one_fused_projection(grad):
+    """q and k as views of one [B, L, q | k | v] projection (token rows 2.5x a head group apart): the same rows as
+    their contiguous copies give, in a contiguous output."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(2, 9, (4 + 2 + 2) * 16, generator=g).to(torch.bfloat16)
+    cos, sin = (t.to(torch.bfloat16) for t in torch.randn(2, 1, 9, 16, generator=g))
+    for part in qkv.split([64, 32, 32], dim=-1)[:2]:
+        view = part.view(2, 9, -1, 16)
+        got = cpu_kernels.kernels().rotary(view, cos, sin, grad)
+        assert got.is_contiguous()
+        assert torch.equal(got, cpu_kernels.kernels().rotary(view.contiguous(), cos, sin, grad))
+
+
 def test_rotary_rejects_what_it_does_not_compute():
     x, cos = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 8)
-    with pytest.raises(RuntimeError, match="rotary: x a contiguous fp32 or bf16"):
+    with pytest.raises(RuntimeError, match="rotary: x an fp32 or bf16"):
         cpu_kernels.kernels().rotary(x.half(), cos.half(), cos.half(), False)
+    with pytest.raises(RuntimeError, match="each token's heads contiguous"):
+        cpu_kernels.kernels().rotary(x.transpose(1, 2), cos[:, :3], cos[:, :3], False)
     with pytest.raises(RuntimeError, match="rotary: cos and sin contiguous"):
         cpu_kernels.kernels().rotary(x, cos[:, :4], cos[:, :4], False)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_swapped_attention_equals_transformers_logits_and_gradients(family):
-    """Llama's and Qwen2's (biased q, k, v) attention forward with the kernel's rotary: the same values exactly."""
+    """Llama's and Qwen2's (biased q, k, v) attention forward with q, k and v in one GEMM and the kernel's rotary: the
+    same values exactly."""
     torch.manual_seed(3)
     kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     config, cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
     model = cls(config(vocab_size=97, attn_implementation="sdpa", **kw)).to(torch.bfloat16)
     reference = deepcopy(model)
+    exact = deepcopy(model).double()
     attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     assert len(attentions) == 2 and all(fused.fuse(m) == 1 for m in attentions)
     rotated = []
@@ -189,8 +207,10 @@ def test_swapped_attention_equals_transformers_logits_and_gradients(family):
     assert torch.equal(got, want)
     got.float().square().mean().backward()
     want.float().square().mean().backward()
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(a.grad, b.grad), name
+    exact(ids, use_cache=False).logits.square().mean().backward()
+    # one GEMM's input gradient for q, k and v rounds once where transformers' three round and are summed
+    for (name, a), b, e in zip(model.named_parameters(), reference.parameters(), exact.parameters()):
+        assert_no_further(a.grad, b.grad, e.grad)
     with torch.no_grad():  # generation with a cache keeps transformers' own forward
         out = model.generate(ids[:1, :8], max_new_tokens=3, do_sample=False)
         assert torch.equal(out, reference.generate(ids[:1, :8], max_new_tokens=3, do_sample=False))

@@ -810,9 +810,10 @@ void silu_mul_backward_rows(const T* dh, const T* gu, T* dgu, int64_t rows, int6
 // rotate_half(x) sin, each product and the sum rounded to the model dtype as torch's chain rounds them. With `grad`,
 // the input's gradient from y's the same way: dx = dy cos + rotate_half^T(dy sin), rotate_half^T(g) = [g2, -g1]. Both
 // halves are one form, o = T(T(a c) + T(sign b s')): forward (b, s', sign) = (x2, s1, -) then (x1, s2, +), backward
-// (dy2, s2, +) then (dy1, s1, -).
+// (dy2, s2, +) then (dy1, s1, -). Token t's x rows start at x + t x_ld (q or k inside one fused q | k | v projection),
+// y's are contiguous.
 template <typename T>
-void rotary_rows(const T* x, const T* cos, const T* sin, int64_t cos_batch, T* y, int64_t b, int64_t len,
+void rotary_rows(const T* x, int64_t x_ld, const T* cos, const T* sin, int64_t cos_batch, T* y, int64_t b, int64_t len,
                  int64_t heads, int64_t d, bool grad) {
   const int64_t half = d / 2;
   const float sign = grad ? 1.f : -1.f;  // the first half's partner term's sign; the second's is its opposite
@@ -823,7 +824,7 @@ void rotary_rows(const T* x, const T* cos, const T* sin, int64_t cos_batch, T* y
       const T* s1 = sin + at + (grad ? half : 0);  // the first half's sine
       const T* s2 = sin + at + (grad ? 0 : half);  // the second half's
       for (int64_t h = 0; h < heads; ++h) {
-        const T* a = x + (t * heads + h) * d;
+        const T* a = x + t * x_ld + h * d;
         T* o = y + (t * heads + h) * d;
         int64_t i = 0;
 #if defined(__AVX512F__)
@@ -1304,22 +1305,24 @@ at::Tensor silu_mul_backward(const at::Tensor& dh, const at::Tensor& gu) {
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool grad) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 4 && x.is_contiguous() && x.size(3) % 2 == 0 &&
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 4 && x.size(3) % 2 == 0 && x.stride(3) == 1 &&
+                  x.stride(2) == x.size(3) && x.stride(0) == x.size(1) * x.stride(1) &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "rotary: x a contiguous fp32 or bf16 [B, L, heads, head_dim] CPU tensor, head_dim even");
+              "rotary: x an fp32 or bf16 [B, L, heads, head_dim] CPU tensor, head_dim even, each token's heads "
+              "contiguous and tokens evenly spaced");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(1) == x.size(1) && cos.size(2) == x.size(3) &&
                   (cos.size(0) == 1 || cos.size(0) == x.size(0)) && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "rotary: cos and sin contiguous [B or 1, L, head_dim] in x's dtype");
-  auto y = at::empty_like(x);
+  auto y = at::empty(x.sizes(), x.options());
   const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0);
   if (x.scalar_type() == at::kFloat) {
-    rotary_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cb, y.data_ptr<float>(), x.size(0),
-                x.size(1), x.size(2), x.size(3), grad);
+    rotary_rows(x.data_ptr<float>(), x.stride(1), cos.data_ptr<float>(), sin.data_ptr<float>(), cb,
+                y.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.size(3), grad);
   } else {
     using BF16 = c10::BFloat16;
-    rotary_rows(x.data_ptr<BF16>(), cos.data_ptr<BF16>(), sin.data_ptr<BF16>(), cb, y.data_ptr<BF16>(), x.size(0),
-                x.size(1), x.size(2), x.size(3), grad);
+    rotary_rows(x.data_ptr<BF16>(), x.stride(1), cos.data_ptr<BF16>(), sin.data_ptr<BF16>(), cb, y.data_ptr<BF16>(),
+                x.size(0), x.size(1), x.size(2), x.size(3), grad);
   }
   return y;
 }
