@@ -73,9 +73,9 @@ def shard(model: nn.Module, bf16: bool) -> nn.Module:
 def defer_gradient_sync(model: nn.Module, last: bool) -> bool:
     """Before a micro-batch's backward: on one rank, every micro-batch but a mini-batch's last keeps its layers'
     unsharded (bf16) parameters and adds its gradients, in fp32, to the unsharded ones, so that the next forward
-    casts no weights again and only the last copies gradients out (SmolLM2 bucketed, 2 micro-batches: ~6% of a
-    step in FSDP's copies). Several ranks reduce every micro-batch: unsharded gradients would cost a whole fp32
-    model each. True when this backward leaves gradients unsynced."""
+    casts no weights again and only the last copies gradients out (SmolLM2 bucketed, 2 micro-batches, one thread:
+    FSDP's copies 836 -> 443 ms, the step 1.023x). Several ranks reduce every micro-batch: unsharded gradients would
+    cost a whole fp32 model each. True when this backward leaves gradients unsynced."""
     if not isinstance(model, FSDPModule) or dist.get_world_size() > 1:
         return False
     model.set_requires_gradient_sync(last)
