@@ -37,8 +37,8 @@ Parts (all by default, or a subset with --parts):
   learners fused); and single forward and backward calls (ATTENTION_CALLS: SmolLM2's heads on the micro part's longest
   bucket and on its groups packed by learner/packing.py, Qwen2.5-7B's heads), the compiled against torch's flash
   attention, the backward from the same forward, alternating for --rounds, medians.
-- rotary: the same as fused for learner/fused.py's rotary embedding (its attention forward) against transformers' own
-  attention forward (both learners otherwise fused).
+- rotary: the same as fused for learner/fused.py's attention forward (q, k and v in one GEMM, the rotary kernel)
+  against transformers' own (both learners otherwise fused).
 - linear: the learner step with learner/linear.py's weight gradients (dy transposed first) against torch's, one policy
   stepping in turns under each: SmolLM2 gym (packed) and micro (bucketed), and two of Qwen2.5-7B's decoder layers.
 - layer: decoder layers of Qwen2.5-7B (hidden 3584, 28 heads; random weights, a vocabulary of 8,192) on the micro
@@ -92,7 +92,7 @@ GYM_WORKLOAD = (8, 8, (35, 50), (8, 12))  # configs/smollm2-gym-cpu.yaml: 8 x 8 
 SIDE_BY_SIDE = {
     "fused": {"fused": ("fuse", "attention", "rotary"), "torch": ("attention",)},  # learner/fused.py's swaps or none
     "attention": {"compiled": ("fuse", "attention", "rotary"), "flash": ("fuse", "rotary")},  # learner/attention.py's
-    "rotary": {"rotary": ("fuse", "attention", "rotary"), "transformers": ("fuse", "attention")},  # fused.py's rotary
+    "rotary": {"rotary": ("fuse", "attention", "rotary"), "transformers": ("fuse", "attention")},  # its attention
 }
 LAYER_SHAPE = dict(QWEN25_7B, vocab_size=8192)  # the layer part: the 7B's decoder layer (its head is §9's figure)
 LAYER_DEPTHS = (0, 2)  # the layer part's two learners: their difference is two decoder layers
@@ -345,10 +345,7 @@ def layer_rows(threads: int, tmp: str, precision: str, rounds: int) -> list[dict
 # torch.profiler op name -> kind, first match wins; everything else is "other" (norms, activations, copies, ...)
 PROFILE_KINDS = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn")),
-    (
-        "attention",
-        ("scaled_dot_product", "flash_attention", "_attention"),
-    ),  # learner/attention.py's _Attention(Backward)
+    ("attention", ("scaled_dot_product", "flash_attention", "_attention")),  # learner/attention.py's _Attention too
     # the chunked head (learner/logprobs.py): logits - logsumexp and its exp over 49,152-wide rows, forward
     # (entropy) and backward; the step's other subs and exps act on small tensors
     ("log-softmax head", ("log_softmax", "logsumexp", "chunkedlogprob", "aten::sub", "aten::exp", "aten::gather")),

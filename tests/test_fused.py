@@ -161,8 +161,8 @@ def test_rotary_equals_transformers_values_and_gradients_bit_for_bit(dtype, batc
 
 @pytest.mark.parametrize("grad", [False, True])
 def test_rotary_reads_q_and_k_inside_one_fused_projection(grad):
-    """q and k as views of one [B, L, q | k | v] projection (token rows 2.5x a head group apart): the same rows as
-    their contiguous copies give, in a contiguous output."""
+    """q and k as views of one [B, L, q | k | v] projection (a token's rows 2x and 4x their own width apart): the same
+    rows as their contiguous copies give, in a contiguous output."""
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(2, 9, (4 + 2 + 2) * 16, generator=g).to(torch.bfloat16)
     cos, sin = (t.to(torch.bfloat16) for t in torch.randn(2, 1, 9, 16, generator=g))
@@ -186,7 +186,7 @@ def test_rotary_rejects_what_it_does_not_compute():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_swapped_attention_equals_transformers_logits_and_gradients(family):
     """Llama's and Qwen2's (biased q, k, v) attention forward with q, k and v in one GEMM and the kernel's rotary: the
-    same values exactly."""
+    same logits exactly, and gradients no further from fp64's than transformers' own."""
     torch.manual_seed(3)
     kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     config, cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)

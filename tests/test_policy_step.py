@@ -147,7 +147,7 @@ def test_one_policy_step_equals_the_step_written_out_by_hand(gloo_one_rank, demo
 
 
 def demo_policy(demo_dir, overrides: list[str]):
-    """The demo recipe's PolicyStep on this rank: plain policy-gradient loss, no KL, micro-batches of 40 tokens."""
+    """The demo recipe's PolicyStep on this rank without its KL penalty, in micro-batches of 40 tokens."""
     return one_rank_policy(
         "demo-cpu.yaml",
         [
@@ -185,12 +185,10 @@ def test_one_rank_accumulates_micro_batches_unsharded_to_the_same_step(gloo_one_
 def test_a_skipped_update_leaves_no_unsynced_gradient_behind(gloo_one_rank, demo_dir):
     """A non-finite loss in a later micro-batch skips the update; what the earlier ones accumulated unsharded is
     dropped with it, so the next step's gradients are those of a fresh policy."""
-    from learner.policy_step import PLANNERS
-
     batch, poisoned = hand_built_batch(), hand_built_batch()
     policy = demo_policy(demo_dir, ["train.precision=bf16"])
-    cuts = PLANNERS["padded"](torch.arange(len(batch.rewards)), batch, policy.train_cfg.micro_batch_tokens)
-    assert len(cuts) >= 2
+    cuts = policy.planner(torch.arange(len(batch.rewards)), batch, policy.train_cfg.micro_batch_tokens)
+    assert len(cuts) >= 2  # the poisoned row's micro-batch comes after one that left its gradients unsynced
     poisoned.behav_logp[int(cuts[-1][0])] = float("nan")
     skipped = policy.step(poisoned, step=0)
     assert not skipped.updated and skipped.skipped == 1
