@@ -1012,7 +1012,7 @@ void sample_rows_kernel(const float* logits, const float* temps, const float* un
 #pragma omp simd reduction(max : mx)
       for (int64_t i = 0; i < v; ++i) mx = std::max(mx, x[i]);
       const float m = mx / t;  // division is monotone: the maximum of x / t
-      float total = 0.f;
+      double total = 0.0;  // fp64: a running fp32 sum of 6,144 segment sums (AVX2, 49k) was 2.3e-5 off in the log-prob
       int64_t last = 0;  // the last segment with weight: the walk stops there at the latest
       for (int64_t j = 0; j < segments; ++j) {
         total += (sums[j] = segment(x, j, t, m, e, &n));
@@ -1022,8 +1022,8 @@ void sample_rows_kernel(const float* logits, const float* temps, const float* un
       if (greedy) {
         while (tok + 1 < v && x[tok] != mx) ++tok;  // the first maximum, as torch.argmax
       } else {
-        const float target = uniforms[r] * total;
-        float c = 0.f;
+        const double target = uniforms[r] * total;
+        double c = 0.0;
         int64_t j = 0;
         while (j < last && c + sums[j] < target) c += sums[j++];
         segment(x, j, t, m, e, &n);
@@ -1035,7 +1035,7 @@ void sample_rows_kernel(const float* logits, const float* temps, const float* un
         }
       }
       tokens[r] = tok;
-      logprobs[r] = (x[tok] / t - m) - std::log(total);
+      logprobs[r] = static_cast<float>((x[tok] / t - m) - std::log(total));
     }
   });
 }
