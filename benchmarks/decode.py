@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import OWN, QWEN2_150M, emit, machine_info, step_bytes  # noqa: E402  (benchmarks/common.py)
 
 from qurl import cpu_kernels  # noqa: E402
-from rollout_server.engines import GenRequest, load_engine  # noqa: E402
+from rollout_server.engines import GenRequest, load_engine, torch_engine  # noqa: E402
 
 CONFIGS = ("bf16", "int8+bf16+head", "int8+head", "int8", "bf16-torch-ops", "int8+bf16+head-torch-ops")
 
@@ -109,12 +109,20 @@ def random_qwen2(tmp: str, shape: dict, batch: int, prompt_len: int) -> tuple[st
 
 
 def measure(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(seconds of the admitting step, decode tokens/s of the steps after it)."""
+    """(seconds of the admitting step, decode tokens/s of the steps after it). Every prompt is admitted in that step,
+    past the engine's per-step prefill budget, so that no prefill falls into the decode steps' time (2026-12-05 to
+    -07 it did: the budget of 512 prompt tokens admitted 3-4 of 16 prompts per step)."""
     for i, p in enumerate(prompts):
         engine.add_request(GenRequest(p, max_new_tokens=new_tokens, temperature=1.0, seed=i), i)
-    t0 = time.perf_counter()
-    engine.step()
-    t1 = time.perf_counter()
+    budget, torch_engine.PREFILL_TOKENS_PER_STEP = torch_engine.PREFILL_TOKENS_PER_STEP, sys.maxsize
+    try:
+        t0 = time.perf_counter()
+        engine.step()
+        t1 = time.perf_counter()
+    finally:
+        torch_engine.PREFILL_TOKENS_PER_STEP = budget
+    if engine.num_waiting:
+        raise SystemExit(f"decode.py: {engine.num_waiting} samples not admitted in the first step (batch > slots?)")
     steps = 0
     while engine.has_work():
         engine.step()
@@ -320,8 +328,8 @@ def prompts_for(model_name: str, tmp: str, batch: int) -> tuple[str, list[list[i
         return smollm2_prompts(batch)
     if model_name == "qwen2-150m":
         return random_qwen2(tmp, QWEN2_150M, batch, 200)
-    if model_name == "tiny":
-        return random_qwen2(tmp, TINY, batch, 24)
+    if model_name == "tiny":  # 4 x 200 prompt tokens pass the engine's per-step prefill budget, as real batches do
+        return random_qwen2(tmp, TINY, batch, 200)
     raise SystemExit(f"decode.py: unknown model {model_name!r}; choose smollm2, qwen2-150m or tiny")
 
 
