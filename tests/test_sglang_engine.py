@@ -51,6 +51,10 @@ PROMPTS = [[11, 27, 300, 5], [400, 2, 2, 97, 150, 8], [33]]
 # every op to 8 mantissa bits; measured here mean |gap| 0.04-0.06 and max 0.3-0.75 nats per token, while the
 # reference of the other version's weights is 5 nats away on average
 BF16_MEAN_GAP, BF16_MAX_GAP, WRONG_MEAN_GAP = 0.15, 1.5, 1.0
+# float32 engines against the float32 reference: float noise, which grows with these peaked logits and differs by CPU
+# (other GEMM kernels and blocking). Max per-token gap measured on the AVX2-only EPYC 2.7e-5 over 1,080 tokens
+# (10 runs of the llama test); CI's CPU once gave 1.08e-4 on a sampled token. 3e-4 stays 100x under bf16's mean gap.
+FP32_GAP = 3e-4
 
 
 def build(path: Path, arch: str, seed: int) -> Path:
@@ -141,7 +145,7 @@ class TestUnquantized:
             for s in res.samples:
                 assert len(s.token_ids) == 12 and s.finish_reason == "length" and s.versions == [0] * 12
                 ref = reference_logprobs(qwen, base, req.prompt_ids, s.token_ids)
-                assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) < 1e-4
+                assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) < FP32_GAP
             assert len({tuple(s.token_ids) for s in res.samples}) > 1  # n samples, not one repeated
         for req, res in zip(greedy(), engine.generate(greedy()), strict=True):
             model = transformers.AutoModelForCausalLM.from_pretrained(qwen)
@@ -170,7 +174,7 @@ class TestUnquantized:
         versions = [s.versions for _, _, s in done]
         assert all(v == sorted(v) and set(v) <= {0, 1} for v in versions)
         assert any(v[0] == 0 and v[-1] == 1 for v in versions), versions  # a sample that crossed the refit
-        assert max(gaps(engine, qwen, new, greedy())) < 1e-4
+        assert max(gaps(engine, qwen, new, greedy())) < FP32_GAP
         assert all(s.versions == [1] * 12 for r in engine.generate(greedy()) for s in r.samples)
 
     def test_a_bad_push_is_refused_and_changes_nothing(self, engine, qwen):
@@ -187,7 +191,7 @@ def test_llama_greedy_and_logprobs_equal_transformers(llama):
         str(llama), engine="sglang", quant="none", dtype="float32", device="cpu", max_batch=8, max_seq_len=128
     )
     try:
-        assert max(gaps(engine, llama, weights(llama), greedy() + sampled())) < 1e-4
+        assert max(gaps(engine, llama, weights(llama), greedy() + sampled())) < FP32_GAP
     finally:
         engine.close()
 
