@@ -14,15 +14,15 @@ measured in the same run (a sum over a 512 MB buffer) that bounds decode tokens/
 to bf16 (with kernels) in the same round.
 
     python benchmarks/decode.py [--models smollm2,qwen2-150m] [--batches 16,64] [--rounds 3] [--out FILE] [--quick]
-    python benchmarks/decode.py --gemm [--out FILE]   # the kernels' int8 GEMM against oneDNN, 1-256 rows
+    python benchmarks/decode.py --gemm [--out FILE]   # the kernels' int8 GEMM against oneDNN, 1-2,880 rows
     python benchmarks/decode.py --apply [--models smollm2] [--threads 1] [--out FILE]   # one push's re-derivations
     python benchmarks/decode.py --attention [--out FILE]   # the kernels' decode attention against SDPA
 
 --apply: what a push costs the int8+bf16+head engine after its bytes are written (TorchEngine.apply_delta's
 model.repack, and the checksum), by part: every int8 linear's re-packs (oneDNN's where the engine keeps a copy for
-it, which it does not with AMX, whose kernel takes every row count; and the CPU kernels' own where they have an int8
-GEMM, also alone), the int8 lm_head's requantization (by the CPU kernel, as the engine
-does, and by torch operators, side by side) and its re-pack. One part after another per round, medians over --rounds.
+it, which it does not with AMX or AVX2, whose kernel takes every row count; and the CPU kernels' own where they have
+an int8 GEMM, also alone), the int8 lm_head's requantization (by the CPU kernel, as the engine does, and by torch
+operators, side by side) and its re-pack. One part after another per round, medians over --rounds.
 
 --attention: decode attention at the decode step's shapes (ATTENTION_SHAPES), the CPU kernel against SDPA with the
 additive mask (what the engine runs without the kernels), bf16 and fp32 caches, each layer's cache its own tensor as
@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 
 import torch
 
@@ -203,37 +204,43 @@ def run(model: str, prompts: list[list[int]], configs: list[str], rounds: int, n
 
 
 GEMM_SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}  # SmolLM2's (N, K)
+# decode batches, then prefill: 512 rows is the engine's prefill budget a step (torch_engine.PREFILL_TOKENS_PER_STEP),
+# 2,880 this benchmark's admitting step (16 prompts of ~180 tokens)
+GEMM_ROWS = [1, 16, 32, 64, 128, 256, 512, 2880]
 
 
 def gemm_rows(shapes: dict, rows: list[int], reps: int) -> list[dict]:
     """The kernels' int8 GEMM against oneDNN's qlinear (what Int8Linear runs without it) at decode row counts, fp32
-    activations, one Int8Linear switched between the two, medians of 5 timings of `reps` calls (the engine takes the
-    kernel up to int8_gemm_max_rows rows: cpu_kernels.int8_gemm_kernels)."""
+    activations, one Int8Linear switched between the two, medians of 5 timings of `reps` calls (one call above 256
+    rows); the kernel at every row count, also above int8_gemm_max_rows, up to which the engine takes it."""
     from qurl.quant import quantize_int8
     from rollout_server.engines.linear import Int8Linear
 
-    def timed(f) -> float:
+    def timed(f, calls: int) -> float:
         f()
         times = []
         for _ in range(5):
             t = time.perf_counter()
-            for _ in range(reps):
+            for _ in range(calls):
                 f()
-            times.append((time.perf_counter() - t) / reps)
+            times.append((time.perf_counter() - t) / calls)
         return statistics.median(times)
 
     out = []
     for name, (n, k) in shapes.items():
         codes, scale = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), dim=-1)
         lin = Int8Linear(["w"], {"w.weight": codes, "w.weight_scale": scale}, torch.float32, torch.device("cpu"))
-        kernel = lin._gemm = cpu_kernels.kernels()  # the kernel at every row count, also above the engine's limit
-        lin.use_onednn()  # with AMX the engine keeps no oneDNN copy
+        kernel = lin._gemm = types.SimpleNamespace(
+            int8_pack=cpu_kernels.kernels().int8_pack, int8_gemm_max_rows=sys.maxsize
+        )
+        lin.use_onednn()  # where the kernel takes every row count the engine keeps no oneDNN copy
         for m in rows:
             x = torch.randn(m, k)
             lin._gemm = kernel
-            a = timed(lambda: lin(x))
+            calls = reps if m <= 256 else 1
+            a = timed(lambda: lin(x), calls)
             lin._gemm = None
-            b = timed(lambda: lin(x))
+            b = timed(lambda: lin(x), calls)
             macs = m * n * k
             row = {"shape": name, "n": n, "k": k, "rows": m, "kernel_gmac_per_s": round(macs / a / 1e9, 2)}
             out.append(row | {"onednn_gmac_per_s": round(macs / b / 1e9, 2), "kernel_vs_onednn": round(b / a, 3)})
@@ -373,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit("decode.py --gemm: the CPU kernels have no int8 GEMM for this CPU")
         gemm = {"benchmark": "decode-gemm", "machine": machine_info(), "int8_gemm": cpu_kernels.kernels().int8_gemm}
         gemm["engine_takes_kernel"] = cpu_kernels.int8_gemm_kernels() is not None
-        gemm["rows"] = gemm_rows(GEMM_SHAPES, [1, 16, 32, 64, 128, 256], 5)
+        gemm["rows"] = gemm_rows(GEMM_SHAPES, GEMM_ROWS, 5)
         emit(gemm, args.out)
         return gemm
     bw = stream_bandwidth()

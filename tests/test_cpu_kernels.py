@@ -154,7 +154,7 @@ def test_int8_linear_equals_the_onednn_path_in_torch_ops(k, dtype, bias):
     codes, scale = quantize_int8(torch.randn(n, kk), dim=-1)
     tensors = {"w.weight": codes, "w.weight_scale": scale} | ({"w.bias": torch.randn(n)} if bias else {})
     lin = Int8Linear(["w"], tensors, dtype, torch.device("cpu"))
-    lin.use_onednn()  # with AMX the engine keeps no oneDNN copy: its kernel takes every row count
+    lin.use_onednn()  # with AMX or AVX2 the engine keeps no oneDNN copy: its kernel takes every row count
     lin._gemm = None  # the oneDNN path, in one call
     if lin._fused(torch.zeros(1, kk, dtype=dtype)) is None:
         pytest.skip("oneDNN's int8 GEMM is not exact on this CPU (no VNNI): the linear splits the codes by sign")
@@ -172,7 +172,8 @@ def test_int8_linear_equals_the_onednn_path_in_torch_ops(k, dtype, bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "m,n,kk", [(1, 16, 64), (16, 960, 576), (17, 37, 70), (32, 100, 3), (128, 48, 128), (300, 40, 192)]
+    "m,n,kk",
+    [(1, 16, 64), (16, 960, 576), (17, 37, 70), (32, 100, 3), (128, 48, 128), (131, 37, 70), (300, 40, 192)],
 )
 def test_int8_gemm_kernel_equals_the_onednn_path(k, dtype, m, n, kk):
     """Bit for bit: exact int32 sums and the same fp32 dequantization, bias added in the model dtype."""
@@ -209,12 +210,12 @@ def test_int8_pack_lays_out_panels_of_16_rows_by_4_inputs(k, n, kk):
     assert torch.equal(comp, 128 * padded.sum(1, dtype=torch.int32))
 
 
-def test_an_amx_engine_keeps_one_copy_of_the_codes(k):
-    """Where the kernel takes every row count (AMX), prefill's too, a linear keeps no oneDNN copy: a push re-derives
-    one copy of the codes, not two; elsewhere oneDNN's serves the rows above the kernel's limit."""
+def test_where_the_kernel_takes_every_row_one_copy_of_the_codes_is_kept(k):
+    """Where the kernel takes every row count (AMX, AVX2), prefill's too, a linear keeps no oneDNN copy: a push
+    re-derives one copy of the codes, not two; elsewhere (AVX-512 VNNI) oneDNN's serves the rows above its limit."""
     codes, scale = quantize_int8(torch.randn(64, 128))
     lin = Int8Linear(["w"], {"w.weight": codes, "w.weight_scale": scale}, torch.float32, torch.device("cpu"))
-    every_row = k.int8_gemm == "amx"
+    every_row = k.int8_gemm in ("amx", "avx2")
     assert (lin.packed is None) == every_row and (lin.panels is not None) == bool(k.int8_gemm)
     x = torch.randn(2000, 128)
     assert lin._takes_kernel(x) == every_row

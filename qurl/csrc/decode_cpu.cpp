@@ -516,7 +516,9 @@ constexpr const char* kInt8Gemm = "";  // without AVX-512 VNNI the engine keeps 
 #include <immintrin.h>
 #define QURL_INT8_GEMM
 constexpr const char* kInt8Gemm = "avx2";
-constexpr int64_t kInt8GemmMaxRows = 256;  // 1.04-2.4x oneDNN's sign split from 1 to 256 rows (RESULTS §13)
+// every row count, as AMX's: 1.19-1.34x oneDNN's sign split at 256-2,880 rows of SmolLM2's shapes, 2.6-2.8x at 16
+// (RESULTS §13, twenty-second session), and the engine keeps no oneDNN copy of the codes to re-pack after a push
+constexpr int64_t kInt8GemmMaxRows = INT64_MAX;
 
 // int8 codes [N, K] -> the same rows zero padded to a multiple of 32 inputs (one AVX2 step), and an unused
 // compensation (this kernel multiplies signed codes, no zero point). Codes must be symmetric: -128 has no sign flip.
@@ -535,52 +537,68 @@ inline bool packed_matches(const at::Tensor& p, int64_t n, int64_t k) {
 // y[m, n] = ((sum_k x[m, k] w[n, k]) * x_scale[m]) * w_scale[n] (+ bias[n]), x the signed codes (xu ^ 0x80).
 // AVX2 multiplies u8 x s8 pairs into saturating int16, so each step takes |x| and w with x's sign (|x|, |w| <= 127:
 // a pair's sum stays under 32767, the sums exact, as llama.cpp's AVX2 dot products do); 2 rows x 4 columns a tile.
+// Each thread's columns are swept once per block of kRowBlock rows, so that block's codes stay in L2 while the
+// thread's weight rows stream past them (unblocked, prefill's thousands of rows were re-read from L3 per tile).
+constexpr int64_t kRowBlock = 64;
 template <typename T>
 void int8_gemm_kernel(const uint8_t* xu, const float* xs, const int8_t* pk, const int32_t*, const float* ws,
                       const T* bias, T* y, int64_t m, int64_t n, int64_t k) {
-  const int64_t kp = (k + 31) / 32 * 32;
+  const int64_t kp = (k + 31) / 32 * 32, k32 = k / 32 * 32;
   std::vector<int8_t> sx(m * kp, 0), ax(m * kp, 0);  // signed codes and their magnitudes, zero padded like the rows
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t i = 0; i < k; ++i) {
-      const int8_t c = static_cast<int8_t>(xu[r * k + i] ^ 0x80);
-      sx[r * kp + i] = c;
-      ax[r * kp + i] = static_cast<int8_t>(c < 0 ? -c : c);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  at::parallel_for(0, m, grain(k, int64_t{1} << 16), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* xr = xu + r * k;
+      int8_t *sr = sx.data() + r * kp, *ar = ax.data() + r * kp;
+      for (int64_t i = 0; i < k32; i += 32) {
+        const __m256i c = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + i)), flip);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sr + i), c);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ar + i), _mm256_abs_epi8(c));  // abs(-128) = 0x80, read as 128
+      }
+      for (int64_t i = k32; i < k; ++i) {
+        const int8_t c = static_cast<int8_t>(xr[i] ^ 0x80);
+        sr[i] = c;
+        ar[i] = static_cast<int8_t>(c < 0 ? -c : c);
+      }
     }
-  }
+  });
   const __m256i ones = _mm256_set1_epi16(1);
   at::parallel_for(0, (n + 3) / 4, grain(m * k * 4, int64_t{1} << 19), [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t c0 = 4 * b, cols = std::min<int64_t>(4, n - c0);
-      const int8_t* w[4];
-      for (int64_t j = 0; j < 4; ++j) w[j] = pk + std::min(c0 + j, n - 1) * kp;  // a short tile repeats its last
-      for (int64_t m0 = 0; m0 < m; m0 += 2) {
-        const int64_t rows = std::min<int64_t>(2, m - m0);
-        const int8_t* xsr[2] = {sx.data() + m0 * kp, sx.data() + (m0 + rows - 1) * kp};
-        const int8_t* xar[2] = {ax.data() + m0 * kp, ax.data() + (m0 + rows - 1) * kp};
-        __m256i acc[2][4];
-        for (auto& row : acc) for (auto& a : row) a = _mm256_setzero_si256();
-        for (int64_t i = 0; i < kp; i += 32) {
-          __m256i wv[4];
-          for (int j = 0; j < 4; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + i));
-          for (int r = 0; r < 2; ++r) {
-            const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xar[r] + i));
-            const __m256i xsg = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xsr[r] + i));
-            for (int j = 0; j < 4; ++j) {
-              const __m256i pairs = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[j], xsg));
-              acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(pairs, ones));
+    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+      const int64_t r1 = std::min(m, r0 + kRowBlock);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t c0 = 4 * b, cols = std::min<int64_t>(4, n - c0);
+        const int8_t* w[4];
+        for (int64_t j = 0; j < 4; ++j) w[j] = pk + std::min(c0 + j, n - 1) * kp;  // a short tile repeats its last
+        for (int64_t m0 = r0; m0 < r1; m0 += 2) {
+          const int64_t rows = std::min<int64_t>(2, r1 - m0);
+          const int8_t* xsr[2] = {sx.data() + m0 * kp, sx.data() + (m0 + rows - 1) * kp};
+          const int8_t* xar[2] = {ax.data() + m0 * kp, ax.data() + (m0 + rows - 1) * kp};
+          __m256i acc[2][4];
+          for (auto& row : acc) for (auto& a : row) a = _mm256_setzero_si256();
+          for (int64_t i = 0; i < kp; i += 32) {
+            __m256i wv[4];
+            for (int j = 0; j < 4; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + i));
+            for (int r = 0; r < 2; ++r) {
+              const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xar[r] + i));
+              const __m256i xsg = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xsr[r] + i));
+              for (int j = 0; j < 4; ++j) {
+                const __m256i pairs = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[j], xsg));
+                acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(pairs, ones));
+              }
             }
           }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[r][0], acc[r][1]),
-                                              _mm256_hadd_epi32(acc[r][2], acc[r][3]));
-          alignas(16) int32_t sums[4];
-          _mm_store_si128(reinterpret_cast<__m128i*>(sums),
-                          _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-          for (int64_t j = 0; j < cols; ++j) {  // the dequantization of the oneDNN sign-split path it replaces
-            float out = (static_cast<float>(sums[j]) * xs[m0 + r]) * ws[c0 + j];
-            if (bias != nullptr) out = static_cast<float>(store<T>(out)) + static_cast<float>(bias[c0 + j]);
-            y[(m0 + r) * n + c0 + j] = store<T>(out);
+          for (int64_t r = 0; r < rows; ++r) {
+            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[r][0], acc[r][1]),
+                                                _mm256_hadd_epi32(acc[r][2], acc[r][3]));
+            alignas(16) int32_t sums[4];
+            _mm_store_si128(reinterpret_cast<__m128i*>(sums),
+                            _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+            for (int64_t j = 0; j < cols; ++j) {  // the dequantization of the oneDNN sign-split path it replaces
+              float out = (static_cast<float>(sums[j]) * xs[m0 + r]) * ws[c0 + j];
+              if (bias != nullptr) out = static_cast<float>(store<T>(out)) + static_cast<float>(bias[c0 + j]);
+              y[(m0 + r) * n + c0 + j] = store<T>(out);
+            }
           }
         }
       }

@@ -127,8 +127,8 @@ class Int8Linear(_RowScaled):
         # CPU: a oneDNN-prepacked copy of the codes, about 2x faster than torch._int_mm at decode shapes (13-20x
         # with the sign split on an AVX2-only CPU, where _int_mm has no fast kernel)
         # and, with AMX, AVX-512 VNNI or AVX2, the CPU kernels' copy of the codes for decode batches
-        # (csrc/decode_cpu.cpp; up to int8_gemm_max_rows rows, above which oneDNN is as fast). With AMX the kernel
-        # takes every row count and no oneDNN copy is kept: a push re-derives one copy, not two.
+        # (csrc/decode_cpu.cpp; up to int8_gemm_max_rows rows, above which oneDNN is as fast). With AMX or AVX2 the
+        # kernel takes every row count and no oneDNN copy is kept: a push re-derives one copy, not two.
         self.packed = self.panels = None
         cpu = _ONEDNN_QLINEAR and self.weight.device.type == "cpu"
         self._gemm = int8_gemm_kernels() if cpu else None
