@@ -205,7 +205,7 @@ def run(model: str, prompts: list[list[int]], configs: list[str], rounds: int, n
 
 GEMM_SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}  # SmolLM2's (N, K)
 # decode batches, then prefill: 512 rows is the engine's prefill budget a step (torch_engine.PREFILL_TOKENS_PER_STEP),
-# 2,880 this benchmark's admitting step (16 prompts of ~180 tokens)
+# 2,880 more than this benchmark's admitting step (16 SmolLM2 prompts, ~2,150 tokens)
 GEMM_ROWS = [1, 16, 32, 64, 128, 256, 512, 2880]
 
 
