@@ -516,7 +516,7 @@ constexpr const char* kInt8Gemm = "";  // without AVX-512 VNNI the engine keeps 
 #include <immintrin.h>
 #define QURL_INT8_GEMM
 constexpr const char* kInt8Gemm = "avx2";
-// every row count, as AMX's: 1.19-1.34x oneDNN's sign split at 256-2,880 rows of SmolLM2's shapes, 2.6-2.8x at 16
+// every row count, as AMX's: 1.28-1.43x oneDNN's sign split at 256-2,880 rows of SmolLM2's shapes, 2.7-3.6x at 16
 // (RESULTS §13, twenty-second session), and the engine keeps no oneDNN copy of the codes to re-pack after a push
 constexpr int64_t kInt8GemmMaxRows = INT64_MAX;
 
