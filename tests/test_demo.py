@@ -185,6 +185,22 @@ def test_tiny_prepare_layout_loads_caches_and_rebuilds(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
 
 
+def test_warm_start_threads_follow_the_tasks_runnable_now(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale 1-minute load average (what `make lint`'s compiles leave behind) no longer holds the warm start to one
+    thread; a task runnable now does, and without /proc/loadavg the 1-minute average decides."""
+    from qurl.demo import prepare as prep
+
+    monkeypatch.setattr(prep.os, "sched_getaffinity", lambda _: {0, 1})
+    monkeypatch.setattr(prep.os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    monkeypatch.setattr(prep, "LOADAVG", tmp_path / "loadavg")
+    prep.LOADAVG.write_text("3.00 2.50 1.00 1/300 12345\n")  # only this process runs
+    assert prep.default_threads() == 2
+    prep.LOADAVG.write_text("3.00 2.50 1.00 2/300 12345\n")  # and one other task
+    assert prep.default_threads() == 1
+    prep.LOADAVG.unlink()
+    assert prep.default_threads() == 1
+
+
 def test_default_root_and_cli_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.delenv("QURL_DEMO_DIR", raising=False)
     assert default_root() == Path(".cache/qurl-demo")
